@@ -1,0 +1,20 @@
+"""zaya-jax: the ZAYA1 training stack in JAX/XLA.
+
+Public surface: `zaya_jax.load(path)` returns a callable model from an Orbax checkpoint written
+by this project or a Hugging Face ZAYA directory; `ModelConfig` and `preset` describe models.
+"""
+
+from zaya_jax.config import ModelConfig, preset
+from zaya_jax.errors import ZayaError
+
+__version__ = "0.1.0"
+
+
+def load(path: str, compute_dtype: str = "float32"):
+    """Load a model: `model(input_ids, segment_ids=None, positions=None)` → fp32 logits."""
+    from zaya_jax.api import load as _load
+
+    return _load(path, compute_dtype=compute_dtype)
+
+
+__all__ = ["ModelConfig", "ZayaError", "load", "preset", "__version__"]

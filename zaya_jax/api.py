@@ -1,0 +1,34 @@
+"""`load(path)`: a ready model from a zaya-jax Orbax checkpoint or a Hugging Face ZAYA directory."""
+
+from __future__ import annotations
+
+import os
+
+from zaya_jax.errors import ZayaError
+
+
+def load(path: str, compute_dtype: str = "float32"):
+    """Return a `Zaya` model; call it as `model(input_ids, segment_ids=None, positions=None)`.
+
+    `path` is either a checkpoint written by `zaya convert from-hf` (or training), or an HF
+    directory with `config.json` and `*.safetensors`. Wrap the call in `flax.nnx.jit` for speed.
+    """
+    from zaya_jax.checkpoint import convert, orbax_store
+    from zaya_jax.checkpoint import safetensors_io as st
+    from zaya_jax.config import read_hf_config
+    from zaya_jax.model.state import build_model, expected_shapes
+
+    if not os.path.isdir(path):
+        raise ZayaError(f"{path} does not exist or is not a directory")
+    if orbax_store.is_checkpoint(path):
+        cfg = orbax_store.read_config(path)
+        shapes = convert.check_stored(path, cfg)
+        arrays = orbax_store.load_arrays(path, expected_shapes(cfg), shapes)
+    elif os.path.isfile(os.path.join(path, "config.json")):
+        cfg = read_hf_config(path)
+        reader = st.SafetensorsReader(path)
+        convert.check_hf_tensors(cfg, reader)
+        arrays = {k: v for group in convert.hf_groups(cfg, reader) for k, v in group.items()}
+    else:
+        raise ZayaError(f"{path} is neither a zaya-jax checkpoint nor a Hugging Face model directory (no config.json)")
+    return build_model(cfg.replace(compute_dtype=compute_dtype), arrays, source=path)

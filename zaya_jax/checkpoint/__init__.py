@@ -1,0 +1,1 @@
+"""Checkpoints: safetensors streaming I/O, the HF ⇄ zaya-jax tensor mapping, Orbax storage, conversion."""

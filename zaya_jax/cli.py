@@ -1,0 +1,75 @@
+"""The `zaya` command line (also `python -m zaya_jax`): one entry point, one subcommand per job."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from zaya_jax.errors import ZayaError
+
+
+def _size(text: str) -> int:
+    units = {"KB": 1000, "MB": 1000**2, "GB": 1000**3, "KIB": 1024, "MIB": 1024**2, "GIB": 1024**3, "B": 1}
+    t = text.strip().upper()
+    for unit, factor in sorted(units.items(), key=lambda kv: -len(kv[0])):
+        if t.endswith(unit):
+            t, mult = t[: -len(unit)], factor
+            break
+    else:
+        mult = 1
+    try:
+        value = int(float(t) * mult)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a size like 5GB, 500MB or 1073741824") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError("size must be positive")
+    return value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="zaya", description="zaya-jax: train, lay out and convert ZAYA1 models.")
+    jobs = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    convert = jobs.add_parser("convert", help="convert checkpoints between Hugging Face and zaya-jax (Orbax)")
+    direction = convert.add_subparsers(dest="direction", required=True, metavar="DIRECTION")
+    from_hf = direction.add_parser("from-hf", help="HF safetensors directory → zaya-jax Orbax checkpoint")
+    from_hf.add_argument("--hf", required=True, metavar="DIR", help="HF directory with config.json and *.safetensors")
+    from_hf.add_argument("--out", required=True, metavar="CKPT", help="new checkpoint directory (must not exist)")
+    to_hf = direction.add_parser("to-hf", help="zaya-jax Orbax checkpoint → HF safetensors directory")
+    to_hf.add_argument("--ckpt", required=True, metavar="CKPT", help="checkpoint written by zaya-jax")
+    to_hf.add_argument("--out", required=True, metavar="DIR", help="new output directory (must not exist or be empty)")
+    to_hf.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="tensor dtype (default float32)")
+    to_hf.add_argument("--max-shard-size", type=_size, default="5GB", metavar="SIZE",
+                       help="split into model-0000k-of-0000n.safetensors files above this size (default 5GB)")
+    for p in (from_hf, to_hf):
+        p.add_argument("--quiet", action="store_true", help="no progress bar")
+    return parser
+
+
+def run(args: argparse.Namespace) -> None:
+    if args.command == "convert":
+        from zaya_jax.checkpoint import convert
+
+        if args.direction == "from-hf":
+            cfg = convert.from_hf(args.hf, args.out, progress=not args.quiet)
+            print(f"wrote {args.out}: ZAYA model, {cfg.num_hidden_layers} layers, hidden {cfg.hidden_size}")
+        else:
+            convert.to_hf(args.ckpt, args.out, args.dtype, args.max_shard_size, progress=not args.quiet)
+            print(f"wrote {args.out} ({args.dtype}); load it with transformers.AutoModelForCausalLM.from_pretrained")
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        run(args)
+    except ZayaError as e:
+        print(f"zaya: error: {e}", file=sys.stderr)
+        return e.exit_code
+    except KeyboardInterrupt:
+        print("zaya: interrupted; no partial output was kept", file=sys.stderr)
+        return 130
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,55 @@
+"""Top-1 SwiGLU experts and the MoE layer (router + experts).
+
+Tokens are sorted by their chosen expert and run through `jax.lax.ragged_dot` (a grouped
+matmul), then unsorted: each expert computes only its own tokens. Skip-class tokens sort to
+the end, past every group, and output zero.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from zaya_jax.config import ModelConfig
+from zaya_jax.model.params import make_param, normal
+from zaya_jax.model.router import Router, Routing
+
+
+class Experts(nnx.Module):
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+        e, h, i = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
+        init = normal(cfg.initializer_range)
+        self.gate = make_param(rngs, init, (e, h, i), ("experts", "embed", "mlp"))
+        self.up = make_param(rngs, init, (e, h, i), ("experts", "embed", "mlp"))
+        self.down = make_param(rngs, init, (e, i, h), ("experts", "mlp", "embed"))
+
+    def __call__(self, x: jax.Array, routing: Routing) -> jax.Array:
+        """x: [T, H]; returns weight · down(silu(gate x) ⊙ up x) per token, [T, H] in x's dtype."""
+        dt = x.dtype
+        num_experts = self.gate.shape[0]
+        order = jnp.argsort(routing.expert, stable=True)
+        sizes = jnp.bincount(routing.expert, length=num_experts + 1)[:num_experts].astype(jnp.int32)
+        xs = x[order]
+        gate = jax.lax.ragged_dot(xs, self.gate[...].astype(dt), sizes, preferred_element_type=jnp.float32)
+        up = jax.lax.ragged_dot(xs, self.up[...].astype(dt), sizes, preferred_element_type=jnp.float32)
+        hidden = (jax.nn.silu(gate) * up).astype(dt)
+        out = jax.lax.ragged_dot(hidden, self.down[...].astype(dt), sizes, preferred_element_type=jnp.float32)
+        weight = routing.weight[order]
+        # Rows past the last group (skip class) are unspecified by ragged_dot: zero them explicitly.
+        out = jnp.where((routing.expert[order] < num_experts)[:, None], out * weight[:, None], 0.0)
+        return jnp.zeros_like(out).at[order].set(out).astype(dt)
+
+
+class MoE(nnx.Module):
+    def __init__(self, cfg: ModelConfig, layer: int, *, rngs: nnx.Rngs):
+        self.router = Router(cfg, layer, rngs=rngs)
+        self.experts = Experts(cfg, rngs=rngs)
+
+    def __call__(self, x: jax.Array, prev_state: jax.Array | None) -> tuple[jax.Array, jax.Array, Routing]:
+        """x: [B, S, H]; returns (output [B, S, H], router state [T, R] for EDA, routing)."""
+        batch, seq, hidden = x.shape
+        flat = x.reshape(batch * seq, hidden)
+        routing, state = self.router(flat, prev_state)
+        out = self.experts(flat, routing)
+        return out.reshape(batch, seq, hidden), state, routing

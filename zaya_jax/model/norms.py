@@ -1,0 +1,47 @@
+"""RMSNorm and ZAYA1's residual scaling `(x + b) * s`, both computed in fp32."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from zaya_jax.model.params import constant, make_param
+
+
+def rms_norm(x: jax.Array, weight: jax.Array, eps: float, out_dtype) -> jax.Array:
+    """HF ZayaRMSNorm: fp32 statistics, weight applied, result in `out_dtype`."""
+    x32 = x.astype(jnp.float32)
+    y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+    return (weight.astype(jnp.float32) * y).astype(out_dtype)
+
+
+class RMSNorm(nnx.Module):
+    def __init__(self, size: int, eps: float, axis_name: str, *, rngs: nnx.Rngs):
+        self.eps = eps
+        self.weight = make_param(rngs, constant(1.0), (size,), (axis_name,))
+
+    def __call__(self, x: jax.Array, out_dtype=jnp.float32) -> jax.Array:
+        return rms_norm(x, self.weight[...], self.eps, out_dtype)
+
+
+class Affine(nnx.Module):
+    """`(x + bias) * scale` in fp32 — the code form of ZAYA1's residual scaling (not αx + β)."""
+
+    def __init__(self, size: int, *, rngs: nnx.Rngs):
+        self.scale = make_param(rngs, constant(1.0), (size,), ("embed",))
+        self.bias = make_param(rngs, constant(0.0), (size,), ("embed",))
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return (x.astype(jnp.float32) + self.bias[...]) * self.scale[...]
+
+
+class ResidualMerge(nnx.Module):
+    """`out = (branch + b_h) * s_h + (residual + b_r) * s_r`, the fp32 residual add of each block."""
+
+    def __init__(self, size: int, *, rngs: nnx.Rngs):
+        self.branch = Affine(size, rngs=rngs)
+        self.residual = Affine(size, rngs=rngs)
+
+    def __call__(self, branch: jax.Array, residual: jax.Array) -> jax.Array:
+        return self.branch(branch) + self.residual(residual)

@@ -1,0 +1,66 @@
+"""The ZAYA1 router: down-projection, EDA depth averaging, RMSNorm + 3-layer GELU MLP, biased top-1.
+
+Computed entirely in fp32 (it is small, and its softmax is one of ZAYA1's fp32 islands).
+The choice is `argmax(stop_gradient(p) + balancing_biases)` over E experts plus a skip class;
+the mixing weight is the unbiased `p[choice]`; a token sent to the skip class gets weight 0.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from zaya_jax.config import ModelConfig
+from zaya_jax.model.norms import RMSNorm
+from zaya_jax.model.params import BalancingBias, constant, make_param, normal
+
+
+@dataclasses.dataclass(frozen=True)
+class Routing:
+    expert: jax.Array  # int32[T], in [0, E]; E is the skip class
+    weight: jax.Array  # fp32[T], p[expert]; 0 for skip
+    probs: jax.Array  # fp32[T, E+1], unbiased router probabilities
+
+
+jax.tree_util.register_dataclass(Routing, data_fields=["expert", "weight", "probs"], meta_fields=[])
+
+
+def initial_balancing_biases(num_experts: int) -> jax.Array:
+    """0 for each expert and -1 for the skip class, as in HF."""
+    return jnp.zeros((num_experts + 1,), jnp.float32).at[-1].set(-1.0)
+
+
+class Router(nnx.Module):
+    def __init__(self, cfg: ModelConfig, layer: int, *, rngs: nnx.Rngs):
+        h, r, classes = cfg.hidden_size, cfg.router_hidden_size, cfg.num_experts + 1
+        init = normal(cfg.initializer_range)
+        self.num_experts = cfg.num_experts
+        self.down = make_param(rngs, init, (h, r), ("embed", "router"))
+        self.down_bias = make_param(rngs, constant(0.0), (r,), ("router",))
+        # EDA scale exists from the second MoE layer on (HF has no router_states_scale in layer 0).
+        self.eda_scale = make_param(rngs, constant(1.0), (r,), ("router",)) if layer > 0 else None
+        self.norm = RMSNorm(r, cfg.rms_norm_eps, "router", rngs=rngs)
+        self.fc1 = make_param(rngs, init, (r, r), ("router", "router_mlp"))
+        self.fc1_bias = make_param(rngs, constant(0.0), (r,), ("router_mlp",))
+        self.fc2 = make_param(rngs, init, (r, r), ("router_mlp", "router"))
+        self.fc2_bias = make_param(rngs, constant(0.0), (r,), ("router",))
+        self.out = make_param(rngs, init, (r, classes), ("router", "router_classes"))
+        self.balancing_biases = BalancingBias(initial_balancing_biases(cfg.num_experts))
+
+    def __call__(self, x: jax.Array, prev_state: jax.Array | None) -> tuple[Routing, jax.Array]:
+        """x: [T, H] normed tokens; prev_state: the previous layer's post-EDA router state [T, R]."""
+        state = x.astype(jnp.float32) @ self.down[...] + self.down_bias[...]
+        if self.eda_scale is not None and prev_state is not None:
+            state = state + prev_state * self.eda_scale[...]
+        hidden = self.norm(state)
+        hidden = jax.nn.gelu(hidden @ self.fc1[...] + self.fc1_bias[...], approximate=False)
+        hidden = jax.nn.gelu(hidden @ self.fc2[...] + self.fc2_bias[...], approximate=False)
+        probs = jax.nn.softmax(hidden @ self.out[...], axis=-1)
+        biased = jax.lax.stop_gradient(probs) + self.balancing_biases[...]
+        expert = jnp.argmax(biased, axis=-1).astype(jnp.int32)
+        weight = jnp.take_along_axis(probs, expert[:, None], axis=-1)[:, 0]
+        weight = jnp.where(expert == self.num_experts, 0.0, weight)
+        return Routing(expert, weight, probs), state

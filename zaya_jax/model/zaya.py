@@ -1,0 +1,71 @@
+"""The ZAYA1 causal language model: embedding affine, L × (CCA, MoE) blocks, final norm, tied head.
+
+Residual stream in fp32; each block is
+    r = (a + b1)·s1 + (h + b2)·s2  with a = CCA(RMSNorm(h))
+    h = (m + b3)·s3 + (r + b4)·s4  with m = MoE(RMSNorm(r), ρ)
+and ρ, the router state, flows from layer to layer (EDA).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from zaya_jax.config import ModelConfig
+from zaya_jax.model.cca import CCAttention
+from zaya_jax.model.moe import MoE
+from zaya_jax.model.norms import Affine, RMSNorm, ResidualMerge
+from zaya_jax.model.params import make_param, normal
+from zaya_jax.model.segments import SequenceInfo, sequence_info
+
+
+class Block(nnx.Module):
+    def __init__(self, cfg: ModelConfig, layer: int, *, rngs: nnx.Rngs):
+        self.attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, "embed", rngs=rngs)
+        self.attn = CCAttention(cfg, rngs=rngs)
+        self.attn_merge = ResidualMerge(cfg.hidden_size, rngs=rngs)
+        self.mlp_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, "embed", rngs=rngs)
+        self.moe = MoE(cfg, layer, rngs=rngs)
+        self.mlp_merge = ResidualMerge(cfg.hidden_size, rngs=rngs)
+
+    def __call__(self, h: jax.Array, router_state, seq: SequenceInfo, dtype):
+        a = self.attn(self.attn_norm(h, dtype), seq)
+        r = self.attn_merge(a, h)
+        m, router_state, routing = self.moe(self.mlp_norm(r, dtype), router_state)
+        return self.mlp_merge(m, r), router_state, routing
+
+
+class Zaya(nnx.Module):
+    """`model(input_ids, segment_ids=None, positions=None)` → fp32 logits [B, S, vocab]."""
+
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+        self.cfg = cfg
+        self.embedding = make_param(rngs, normal(cfg.initializer_range), (cfg.vocab_size, cfg.hidden_size),
+                                    ("vocab", "embed"))
+        self.input_affine = Affine(cfg.hidden_size, rngs=rngs)
+        self.layers = nnx.List([Block(cfg, i, rngs=rngs) for i in range(cfg.num_hidden_layers)])
+        self.final_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, "embed", rngs=rngs)
+
+    @property
+    def compute_dtype(self):
+        return jnp.dtype(self.cfg.compute_dtype)
+
+    def hidden_states(self, input_ids: jax.Array, segment_ids=None, positions=None):
+        """Final-normed fp32 hidden states [B, S, H] and per-layer expert choices [L, B·S]."""
+        cfg = self.cfg
+        seq = sequence_info(input_ids.shape, segment_ids, positions, max_lag=max(cfg.cca_time0, cfg.cca_time1, 2) - 1)
+        h = self.input_affine(jnp.take(self.embedding[...], input_ids, axis=0))
+        router_state, choices = None, []
+        for block in self.layers:
+            h, router_state, routing = block(h, router_state, seq, self.compute_dtype)
+            choices.append(routing.expert)
+        return self.final_norm(h, jnp.float32), jnp.stack(choices)
+
+    def logits(self, hidden: jax.Array) -> jax.Array:
+        """Tied LM head in fp32."""
+        return hidden.astype(jnp.float32) @ self.embedding[...].T
+
+    def __call__(self, input_ids: jax.Array, segment_ids=None, positions=None) -> jax.Array:
+        hidden, _ = self.hidden_states(input_ids, segment_ids, positions)
+        return self.logits(hidden)
