@@ -1,0 +1,186 @@
+"""HF ⇄ Orbax conversion: bit-identical round trip, transformers loads the export, bad inputs."""
+
+import glob
+import json
+import os
+import subprocess
+import sys
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+from safetensors.numpy import load_file
+
+from hf_reference import hf_logits, hf_model
+from zaya_jax import load
+from zaya_jax.cli import main
+from zaya_jax.config import preset
+
+CFG = preset("tiny", num_hidden_layers=3, num_experts=3, cca_time0=3)
+
+
+@pytest.fixture(scope="module")
+def hf_dir(tmp_path_factory):
+    model = hf_model(CFG, seed=7)
+    with torch.no_grad():  # transformers 5.23 resets the skip bias to -1 on load; use that value
+        for layer in model.model.layers:
+            layer.mlp.gate.balancing_biases[-1] = -1.0
+    path = str(tmp_path_factory.mktemp("hf") / "model")
+    model.save_pretrained(path)
+    return path, model
+
+
+@pytest.fixture(scope="module")
+def converted(hf_dir, tmp_path_factory):
+    ckpt = str(tmp_path_factory.mktemp("ckpt") / "ckpt")
+    assert main(["convert", "from-hf", f"--hf={hf_dir[0]}", f"--out={ckpt}", "--quiet"]) == 0
+    return ckpt
+
+
+def read_dir(path):
+    tensors = {}
+    for f in glob.glob(os.path.join(path, "*.safetensors")):
+        tensors.update(load_file(f))
+    return tensors
+
+
+def test_round_trip_is_bit_identical_and_loads_in_transformers(hf_dir, converted, tmp_path):
+    out = str(tmp_path / "export")
+    assert main(["convert", "to-hf", f"--ckpt={converted}", f"--out={out}", "--max-shard-size=200KB", "--quiet"]) == 0
+    original, exported = read_dir(hf_dir[0]), read_dir(out)
+    assert set(exported) == set(original) - {"lm_head.weight"}
+    for name, tensor in exported.items():
+        assert tensor.dtype == original[name].dtype and np.array_equal(tensor, original[name]), name
+    index = json.load(open(os.path.join(out, "model.safetensors.index.json")))
+    assert len(set(index["weight_map"].values())) > 1  # sharded above the threshold
+    assert set(index["weight_map"]) == set(exported)
+
+    from transformers import AutoModelForCausalLM
+
+    reloaded = AutoModelForCausalLM.from_pretrained(out, attn_implementation="eager").eval()
+    ids = np.random.RandomState(0).randint(0, CFG.vocab_size, (2, 17))
+    ref = hf_logits(hf_dir[1], ids)
+    np.testing.assert_array_equal(hf_logits(reloaded, ids), ref)
+    ours = np.asarray(load(converted)(jnp.asarray(ids)))
+    assert np.abs(ours - ref).max() <= 1e-4 * np.abs(ref).max()
+
+
+def test_bfloat16_export(converted, tmp_path):
+    out = str(tmp_path / "bf16")
+    assert main(["convert", "to-hf", f"--ckpt={converted}", f"--out={out}", "--dtype=bfloat16", "--quiet"]) == 0
+    assert os.path.isfile(os.path.join(out, "model.safetensors"))
+    assert not os.path.exists(os.path.join(out, "model.safetensors.index.json"))
+    from safetensors import safe_open
+
+    with safe_open(os.path.join(out, "model.safetensors"), "pt") as f:
+        assert f.get_tensor("model.embed_tokens.weight").dtype == torch.bfloat16
+        assert f.get_tensor("model.layers.0.mlp.gate.balancing_biases").dtype == torch.float32
+    assert json.load(open(os.path.join(out, "config.json")))["dtype"] == "bfloat16"
+
+
+def test_load_reads_hf_directories_directly(hf_dir):
+    ids = np.random.RandomState(1).randint(0, CFG.vocab_size, (1, 9))
+    ref = hf_logits(hf_dir[1], ids)
+    ours = np.asarray(load(hf_dir[0])(jnp.asarray(ids)))
+    assert np.abs(ours - ref).max() <= 1e-4 * np.abs(ref).max()
+
+
+# ---------------------------------------------------------------------------------------------
+# Bad inputs: one line on stderr naming the problem, exit code 2, nothing written.
+
+def run_cli(args, capsys):
+    code = main(args)
+    err = capsys.readouterr().err.strip().splitlines()
+    return code, err[-1] if err else ""
+
+
+def copy_hf(src, dst, edit=None):
+    os.makedirs(dst)
+    for name in os.listdir(src):
+        with open(os.path.join(src, name), "rb") as f:
+            data = f.read()
+        if edit:
+            data = edit(name, data)
+        if data is not None:
+            with open(os.path.join(dst, name), "wb") as f:
+                f.write(data)
+    return dst
+
+
+def test_missing_directory(tmp_path, capsys):
+    code, err = run_cli(["convert", "from-hf", f"--hf={tmp_path}/nope", f"--out={tmp_path}/ck", "--quiet"], capsys)
+    assert code == 2 and "does not exist" in err and "nope" in err
+
+
+def test_not_a_zaya_directory(tmp_path, capsys):
+    (tmp_path / "junk").mkdir()
+    (tmp_path / "junk" / "notes.txt").write_text("hi")
+    code, err = run_cli(["convert", "from-hf", f"--hf={tmp_path}/junk", f"--out={tmp_path}/ck", "--quiet"], capsys)
+    assert code == 2 and "no config.json" in err
+    code, err = run_cli(["convert", "to-hf", f"--ckpt={tmp_path}/junk", f"--out={tmp_path}/o", "--quiet"], capsys)
+    assert code == 2 and "not an Orbax checkpoint" in err
+    assert not os.path.exists(tmp_path / "ck") and not os.path.exists(tmp_path / "o")
+
+
+def test_other_model_type(hf_dir, tmp_path, capsys):
+    def edit(name, data):
+        if name == "config.json":
+            cfg = json.loads(data)
+            cfg["model_type"] = "llama"
+            return json.dumps(cfg).encode()
+        return data
+
+    src = copy_hf(hf_dir[0], str(tmp_path / "llama"), edit)
+    code, err = run_cli(["convert", "from-hf", f"--hf={src}", f"--out={tmp_path}/ck", "--quiet"], capsys)
+    assert code == 2 and "'llama'" in err and "not 'zaya'" in err
+
+
+def test_truncated_safetensors(hf_dir, tmp_path, capsys):
+    src = copy_hf(hf_dir[0], str(tmp_path / "cut"),
+                  lambda name, data: data[: len(data) - 1000] if name.endswith(".safetensors") else data)
+    code, err = run_cli(["convert", "from-hf", f"--hf={src}", f"--out={tmp_path}/ck", "--quiet"], capsys)
+    assert code == 2 and "truncated" in err and "model.safetensors" in err
+    assert not os.path.exists(tmp_path / "ck")
+
+
+def test_missing_and_misshaped_tensors_are_named(hf_dir, tmp_path, capsys):
+    tensors = read_dir(hf_dir[0])
+    from safetensors.numpy import save_file
+
+    missing = dict(tensors)
+    del missing["model.layers.1.self_attn.qk_norm.temp"]
+    src = copy_hf(hf_dir[0], str(tmp_path / "missing"), lambda n, d: None if n.endswith(".safetensors") else d)
+    save_file(missing, os.path.join(src, "model.safetensors"), metadata={"format": "pt"})
+    code, err = run_cli(["convert", "from-hf", f"--hf={src}", f"--out={tmp_path}/ck", "--quiet"], capsys)
+    assert code == 2 and "missing tensor 'model.layers.1.self_attn.qk_norm.temp'" in err
+
+    bad = dict(tensors)
+    bad["model.layers.2.mlp.experts.down_proj"] = bad["model.layers.2.mlp.experts.down_proj"][:, :, :-1].copy()
+    bad["model.extra.weight"] = np.zeros(3, np.float32)
+    src = copy_hf(hf_dir[0], str(tmp_path / "shape"), lambda n, d: None if n.endswith(".safetensors") else d)
+    save_file(bad, os.path.join(src, "model.safetensors"), metadata={"format": "pt"})
+    code, err = run_cli(["convert", "from-hf", f"--hf={src}", f"--out={tmp_path}/ck", "--quiet"], capsys)
+    assert code == 2 and "'model.layers.2.mlp.experts.down_proj'" in err and "shape" in err
+
+    del bad["model.layers.2.mlp.experts.down_proj"]
+    bad["model.layers.2.mlp.experts.down_proj"] = tensors["model.layers.2.mlp.experts.down_proj"]
+    save_file(bad, os.path.join(src, "model.safetensors"), metadata={"format": "pt"})
+    code, err = run_cli(["convert", "from-hf", f"--hf={src}", f"--out={tmp_path}/ck", "--quiet"], capsys)
+    assert code == 2 and "unexpected tensor 'model.extra.weight'" in err
+    assert not os.path.exists(tmp_path / "ck")
+
+
+def test_existing_output_is_never_overwritten(hf_dir, converted, tmp_path, capsys):
+    code, err = run_cli(["convert", "from-hf", f"--hf={hf_dir[0]}", f"--out={converted}", "--quiet"], capsys)
+    assert code == 2 and "already exists" in err
+    code, err = run_cli(["convert", "to-hf", f"--ckpt={converted}", f"--out={hf_dir[0]}", "--quiet"], capsys)
+    assert code == 2 and "not empty" in err
+
+
+def test_console_entry_point_exit_code(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "zaya_jax", "convert", "to-hf", f"--ckpt={tmp_path}/none",
+                           f"--out={tmp_path}/o"], capture_output=True, text=True)
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines()[-1].startswith("zaya: error:")
+    assert "Traceback" not in proc.stderr
