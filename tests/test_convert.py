@@ -184,3 +184,17 @@ def test_console_entry_point_exit_code(tmp_path):
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines()[-1].startswith("zaya: error:")
     assert "Traceback" not in proc.stderr
+
+
+def test_leftovers_of_a_killed_conversion_are_discarded(hf_dir, tmp_path):
+    """A conversion killed mid-way leaves Orbax's partial-save directory; the next run starts clean."""
+    from orbax.checkpoint.experimental import v1 as ocpv1
+
+    out = str(tmp_path / "ckpt")
+    ocpv1.partial.save(out, {"model": {"embedding": np.zeros((2, 2), np.float32)}})  # never finalized
+    assert not os.path.exists(out)
+    assert main(["convert", "from-hf", f"--hf={hf_dir[0]}", f"--out={out}", "--quiet"]) == 0
+    assert not glob.glob(out + ".partial_save*")
+    ids = jnp.asarray([[1, 2, 3]])
+    ref = hf_logits(hf_dir[1], np.asarray(ids))
+    assert np.abs(np.asarray(load(out)(ids)) - ref).max() <= 1e-4 * np.abs(ref).max()

@@ -24,7 +24,7 @@ from zaya_jax.model.state import expected_shapes
 
 EXPORT_DTYPES = {"float32": np.dtype(np.float32), "bfloat16": np.dtype(ml_dtypes.bfloat16)}
 FP32_ALWAYS = ("balancing_biases",)  # fp32 buffers in HF whatever the model dtype
-DEFAULT_MAX_SHARD_BYTES = 5 * 1024**3
+DEFAULT_MAX_SHARD_BYTES = 5 * 1000**3  # "5GB", as transformers counts it
 
 
 def check_hf_tensors(cfg: ModelConfig, reader: st.SafetensorsReader) -> None:
@@ -45,7 +45,7 @@ def hf_groups(cfg: ModelConfig, reader: st.SafetensorsReader, progress: bool = F
     """Our fp32 arrays, one rules group (top, then each layer) at a time."""
     shapes = expected_shapes(cfg)
     groups = hf_mapping.grouped_rules(cfg)
-    fetch = lambda name: reader.read(name).astype(np.float32)  # noqa: E731
+    fetch = lambda name: reader.read(name).astype(np.float32, copy=False)  # noqa: E731
     for group in tqdm(groups.values(), desc="convert", unit="group", disable=not progress, file=sys.stderr):
         yield hf_mapping.convert_group_to_ours(group, fetch, shapes, reader.directory)
 

@@ -25,7 +25,9 @@ class Transform:
 
 
 def _same(arrays, shapes):
-    return [np.reshape(a, s) for a, s in zip(arrays, shapes)]
+    # Hand back the very array when no reshape is needed: a view of a 2 GB embedding makes
+    # the Orbax/TensorStore write path take an extra full copy.
+    return [a if a.shape == tuple(s) else np.reshape(a, s) for a, s in zip(arrays, shapes)]
 
 
 def _linear_to_ours(arrays, shapes):  # torch Linear [out, in] → ours [in, *out]

@@ -42,6 +42,7 @@ def save_groups(path: str, cfg: ModelConfig, groups: Iterable[Mapping[str, np.nd
     if os.path.exists(path):
         raise ZayaError(f"{path} already exists; choose a new --out directory or remove the old one")
     metadata = {"zaya_jax": {"format_version": FORMAT_VERSION, "model_config": cfg.to_dict()}}
+    _remove_partials(path)  # left by a killed earlier run; Orbax would otherwise append to it
     try:
         for group in groups:
             tree = {ROOT: nest({k: np.asarray(v) for k, v in group.items()})}
