@@ -54,17 +54,9 @@ def main(argv=None) -> int:
     rng = np.random.default_rng(args.seed)
     specs = [(name, np.dtype(np.float32) if name.endswith("balancing_biases") else EXPORT_DTYPES[args.dtype], shape)
              for rule in hf_mapping.rules(cfg) for name, shape in zip(rule.hf, rule.hf_shapes)]
-    shards = st.plan_shards(specs, DEFAULT_MAX_SHARD_BYTES)
-    weight_map = {}
-    for i, idx in enumerate(shards):
-        file = st.shard_name(i, len(shards))
-        file_specs = [specs[j] for j in idx]
-        st.write_file(os.path.join(args.out, file), file_specs, (value(n, s, rng) for n, _, s in file_specs))
-        weight_map.update({n: file for n, _, _ in file_specs})
-        print(f"wrote {file} ({len(file_specs)} tensors)", flush=True)
-    if len(shards) > 1:
-        total = sum(np.dtype(d).itemsize * int(np.prod(s)) for _, d, s in specs)
-        st.write_index(args.out, weight_map, total)
+    values = {name: shape for name, _, shape in specs}
+    files = st.write_sharded(args.out, specs, lambda name: value(name, values[name], rng), DEFAULT_MAX_SHARD_BYTES)
+    print(f"wrote {len(specs)} tensors in {len(files)} file(s) under {args.out}")
     write_hf_config(cfg, args.out, args.dtype)
     return 0
 

@@ -27,7 +27,7 @@ def _size(text: str) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="zaya", description="zaya-jax: train, lay out and convert ZAYA1 models.")
+    parser = argparse.ArgumentParser(prog="zaya", description="zaya-jax: the ZAYA1 training stack on JAX. Each subcommand has its own --help.")
     jobs = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     convert = jobs.add_parser("convert", help="convert checkpoints between Hugging Face and zaya-jax (Orbax)")

@@ -112,14 +112,5 @@ def _write_shards(ckpt, cfg, shapes, specs, group_of, directory, max_shard_bytes
             bar.update(1)
         return cache["tensors"].pop(name)
 
-    shards = st.plan_shards(specs, max_shard_bytes)
-    weight_map = {}
     with tqdm(total=len(groups), desc="export", unit="group", disable=not progress, file=sys.stderr) as bar:
-        for i, idx in enumerate(shards):
-            name = st.shard_name(i, len(shards))
-            file_specs = [specs[j] for j in idx]
-            st.write_file(os.path.join(directory, name), file_specs, (tensor(s[0]) for s in file_specs))
-            weight_map.update({s[0]: name for s in file_specs})
-    if len(shards) > 1:
-        total = sum(np.dtype(d).itemsize * int(np.prod(s, dtype=np.int64)) for _, d, s in specs)
-        st.write_index(directory, weight_map, total)
+        st.write_sharded(directory, specs, tensor, max_shard_bytes)

@@ -12,7 +12,7 @@ import glob
 import json
 import os
 import struct
-from typing import Iterable
+from typing import Callable, Iterable
 
 import ml_dtypes
 import numpy as np
@@ -157,6 +157,22 @@ def plan_shards(specs: list[tuple[str, np.dtype, tuple[int, ...]]], max_bytes: i
 
 def shard_name(i: int, n: int) -> str:
     return "model.safetensors" if n == 1 else f"model-{i + 1:05d}-of-{n:05d}.safetensors"
+
+
+def write_sharded(directory: str, specs: list[tuple[str, np.dtype, tuple[int, ...]]],
+                  fetch: Callable[[str], np.ndarray], max_bytes: int) -> list[str]:
+    """Write `specs` as HF-named shards (plus an index when there are several); one tensor at a time."""
+    shards = plan_shards(specs, max_bytes)
+    weight_map = {}
+    for i, idx in enumerate(shards):
+        file = shard_name(i, len(shards))
+        file_specs = [specs[j] for j in idx]
+        write_file(os.path.join(directory, file), file_specs, (fetch(name) for name, _, _ in file_specs))
+        weight_map.update({name: file for name, _, _ in file_specs})
+    if len(shards) > 1:
+        total = sum(np.dtype(d).itemsize * int(np.prod(s, dtype=np.int64)) for _, d, s in specs)
+        write_index(directory, weight_map, total)
+    return sorted(set(weight_map.values()))
 
 
 def write_index(directory: str, weight_map: dict[str, str], total_size: int) -> None:
