@@ -198,3 +198,14 @@ def test_leftovers_of_a_killed_conversion_are_discarded(hf_dir, tmp_path):
     ids = jnp.asarray([[1, 2, 3]])
     ref = hf_logits(hf_dir[1], np.asarray(ids))
     assert np.abs(np.asarray(load(out)(ids)) - ref).max() <= 1e-4 * np.abs(ref).max()
+
+
+def test_damaged_checkpoint(converted, tmp_path, capsys):
+    import shutil
+
+    broken = str(tmp_path / "broken")
+    shutil.copytree(converted, broken)
+    shutil.rmtree(os.path.join(broken, "state"))
+    code, err = run_cli(["convert", "to-hf", f"--ckpt={broken}", f"--out={tmp_path}/o", "--quiet"], capsys)
+    assert code == 2 and "damaged" in err and "broken" in err
+    assert not os.path.exists(tmp_path / "o") and not os.path.exists(tmp_path / "o.partial")

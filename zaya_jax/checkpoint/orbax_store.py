@@ -9,8 +9,10 @@ conversion leaves no directory at the target path.
 
 from __future__ import annotations
 
+import contextlib
 import glob
 import json
+import logging
 import os
 import shutil
 from typing import Iterable, Mapping
@@ -33,6 +35,19 @@ def _ocp():
     from orbax.checkpoint.experimental import v1 as ocpv1
 
     return ocp, ocpv1
+
+
+@contextlib.contextmanager
+def _quiet_absl():
+    """Reading the v1 layout's `state/` item with the v0 reader makes Orbax warn that the item
+    has no step metadata of its own; that is expected, so hide it from users."""
+    logger = logging.getLogger("absl")
+    level = logger.level
+    logger.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
 
 
 def save_groups(path: str, cfg: ModelConfig, groups: Iterable[Mapping[str, np.ndarray]]) -> None:
@@ -86,7 +101,8 @@ def stored_shapes(path: str) -> dict[str, tuple[int, ...]]:
     """Paths and shapes of every stored model tensor, from Orbax metadata (no data read)."""
     ocp, _ = _ocp()
     try:
-        meta = ocp.PyTreeCheckpointer().metadata(os.path.join(path, _STATE_DIR))
+        with _quiet_absl():
+            meta = ocp.PyTreeCheckpointer().metadata(os.path.join(path, _STATE_DIR))
         tree = meta.item_metadata.tree if hasattr(meta, "item_metadata") else meta.tree
     except Exception as e:  # Orbax raises many types for a damaged directory
         raise ZayaError(f"{path}: cannot read checkpoint metadata ({type(e).__name__}); the checkpoint is damaged") from None
@@ -100,10 +116,11 @@ def load_arrays(path: str, keys: Iterable[str], shapes: Mapping[str, tuple[int, 
     item = {ROOT: nest({k: jax.ShapeDtypeStruct(shapes[k], np.float32) for k in keys})}
     restore_args = jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), item)
     try:
-        out = ocp.PyTreeCheckpointer().restore(
-            os.path.join(path, _STATE_DIR),
-            args=ocp.args.PyTreeRestore(item=item, restore_args=restore_args, partial_restore=True),
-        )
+        with _quiet_absl():
+            out = ocp.PyTreeCheckpointer().restore(
+                os.path.join(path, _STATE_DIR),
+                args=ocp.args.PyTreeRestore(item=item, restore_args=restore_args, partial_restore=True),
+            )
     except Exception as e:
         raise ZayaError(f"{path}: cannot read tensors {keys[0]!r}...: {type(e).__name__}: {str(e)[:200]}") from None
     return flatten(out[ROOT])
