@@ -13,6 +13,7 @@ from typing import Callable, Iterator, Sequence
 import numpy as np
 
 from zaya_jax.config import ModelConfig
+from zaya_jax.errors import ZayaError
 
 Arrays = Sequence[np.ndarray]
 Shapes = Sequence[tuple[int, ...]]
@@ -175,8 +176,6 @@ def convert_group_to_hf(rules_in_group: Sequence[Rule], fetch: Callable[[str], n
 
 
 def raise_shape(source: str, name: str, got, want) -> None:
-    from zaya_jax.errors import ZayaError
-
     raise ZayaError(
         f"{source}: tensor {name!r} has shape {tuple(got)} but config.json implies {tuple(want)}; "
         "the weights and config.json disagree"

@@ -128,5 +128,6 @@ class CCAttention(nnx.Module):
 
 def _masked_lag(x: jax.Array, lag: int, seq: SequenceInfo) -> jax.Array:
     """x[t - lag] where that token is in t's document, else 0. x: [B, S, ...]."""
-    mask = seq.same_doc(lag).reshape(seq.same_doc(lag).shape + (1,) * (x.ndim - 2))
+    same = seq.same_doc(lag)
+    mask = same.reshape(same.shape + (1,) * (x.ndim - 2))
     return jnp.where(mask, shift_right(x, lag), jnp.zeros((), x.dtype))
