@@ -209,3 +209,11 @@ def test_damaged_checkpoint(converted, tmp_path, capsys):
     code, err = run_cli(["convert", "to-hf", f"--ckpt={broken}", f"--out={tmp_path}/o", "--quiet"], capsys)
     assert code == 2 and "damaged" in err and "broken" in err
     assert not os.path.exists(tmp_path / "o") and not os.path.exists(tmp_path / "o.partial")
+
+
+def test_bad_shard_size_flag(converted, tmp_path, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["convert", "to-hf", f"--ckpt={converted}", f"--out={tmp_path}/o", "--max-shard-size=5XB"])
+    assert exit_info.value.code == 2
+    assert "'5XB' is not a size like 5GB" in capsys.readouterr().err.strip().splitlines()[-1]
+    assert not os.path.exists(tmp_path / "o")
