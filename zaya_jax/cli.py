@@ -43,10 +43,39 @@ def build_parser() -> argparse.ArgumentParser:
                        help="split into model-0000k-of-0000n.safetensors files above this size (default 5GB)")
     for p in (from_hf, to_hf):
         p.add_argument("--quiet", action="store_true", help="no progress bar")
+    _add_train(jobs)
     return parser
 
 
-def run(args: argparse.Namespace) -> None:
+TRAIN_EPILOG = """\
+config overrides (absl / ml_collections config_flags style), any number of:
+  --config.KEY=VALUE      e.g. --config.train.steps=100 --config.mesh.fsdp=8
+                          --config.model.compute_dtype=bfloat16 --config.data.source=corpus.jsonl
+  Keys: train.* eval.* checkpoint.* model.* (HF ZayaConfig names) mesh.* data.* optim.*;
+  see zaya_jax/experiment/schema.py for every key and its default.
+
+outputs in WORKDIR: metrics.jsonl (one JSON object per logged step), tensorboard/ (event files),
+model/ (the trained model: zaya_jax.load or zaya convert to-hf), checkpoints/ (periodic saves)."""
+
+
+def _add_train(jobs) -> None:
+    train = jobs.add_parser(
+        "train", help="train a ZAYA1 model from an experiment config",
+        description="Train a ZAYA1 model from an experiment config on all local devices.",
+        epilog=TRAIN_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    train.add_argument("--config", required=True, metavar="FILE", help="experiment file, e.g. experiments/tiny_cpu.py")
+    train.add_argument("--workdir", required=True, metavar="DIR", help="where metrics, logs and checkpoints go")
+
+
+def run(args: argparse.Namespace, extra: list[str]) -> None:
+    if args.command == "train":
+        from zaya_jax.experiment import load_experiment
+        from zaya_jax.train.loop import train
+
+        train(load_experiment(args.config, extra), args.workdir)
+        return
+    if extra:
+        raise ZayaError(f"unrecognized arguments: {' '.join(extra)}")
     if args.command == "convert":
         from zaya_jax.checkpoint import convert
 
@@ -59,9 +88,9 @@ def run(args: argparse.Namespace) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    args, extra = build_parser().parse_known_args(argv)
     try:
-        run(args)
+        run(args, extra)
     except ZayaError as e:
         print(f"zaya: error: {e}", file=sys.stderr)
         return e.exit_code

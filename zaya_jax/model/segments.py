@@ -23,6 +23,9 @@ class SequenceInfo:
         return self.lookback[lag]
 
 
+jax.tree_util.register_dataclass(SequenceInfo, data_fields=["segment_ids", "positions", "lookback"], meta_fields=[])
+
+
 def positions_from_segments(segment_ids: jax.Array) -> jax.Array:
     """Restart positions at 0 at each document start."""
     seq = segment_ids.shape[1]

@@ -17,6 +17,7 @@ from zaya_jax.model.cca import CCAttention
 from zaya_jax.model.moe import MoE
 from zaya_jax.model.norms import Affine, RMSNorm, ResidualMerge
 from zaya_jax.model.params import make_param, normal
+from zaya_jax.model.remat import block_runner
 from zaya_jax.model.segments import SequenceInfo, sequence_info
 
 
@@ -51,14 +52,18 @@ class Zaya(nnx.Module):
     def compute_dtype(self):
         return jnp.dtype(self.cfg.compute_dtype)
 
-    def hidden_states(self, input_ids: jax.Array, segment_ids=None, positions=None):
-        """Final-normed fp32 hidden states [B, S, H] and per-layer expert choices [L, B·S]."""
+    def hidden_states(self, input_ids: jax.Array, segment_ids=None, positions=None, remat: str = "none"):
+        """Final-normed fp32 hidden states [B, S, H] and per-layer expert choices [L, B·S].
+
+        `remat` names a policy of `model/remat.py` applied to each block (training memory).
+        """
         cfg = self.cfg
         seq = sequence_info(input_ids.shape, segment_ids, positions, max_lag=max(cfg.cca_time0, cfg.cca_time1, 2) - 1)
         h = self.input_affine(jnp.take(self.embedding[...], input_ids, axis=0))
         router_state, choices = None, []
+        run = block_runner(remat, self.compute_dtype)
         for block in self.layers:
-            h, router_state, routing = block(h, router_state, seq, self.compute_dtype)
+            h, router_state, routing = run(block, h, router_state, seq)
             choices.append(routing.expert)
         return self.final_norm(h, jnp.float32), jnp.stack(choices)
 

@@ -1,0 +1,120 @@
+"""Tokenizers: text ↔ token ids behind one small interface.
+
+`ByteTokenizer` needs no files (ids 0 pad, 1 bos, 2 eos, byte b → b + 3); `HFTokenizer` wraps a
+local Hugging Face `tokenizer.json`. Both offer `encode`, `encode_batch`, `decode`, `vocab_size`,
+`eos_id` and `pad_id`. `load_tokenizer(spec)` picks one from a CLI-style string.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+
+from zaya_jax.errors import ZayaError
+
+_EOS_NAMES = ("<|endoftext|>", "<|end_of_text|>", "</s>", "<eos>", "<|eos|>", "[SEP]")
+_PAD_NAMES = ("<pad>", "<|pad|>", "<|padding|>", "[PAD]")
+
+
+class ByteTokenizer:
+    """UTF-8 bytes as tokens; three special ids come first."""
+
+    pad_id, bos_id, eos_id = 0, 1, 2
+    _offset = 3
+    vocab_size = 256 + _offset
+
+    def encode(self, text: str) -> list[int]:
+        data = np.frombuffer(text.encode("utf-8"), dtype=np.uint8)
+        return (data.astype(np.int32) + self._offset).tolist()
+
+    def encode_batch(self, texts: list[str]) -> list[list[int]]:
+        return [self.encode(t) for t in texts]
+
+    def decode(self, ids) -> str:
+        # Special ids carry no bytes; dropping them keeps decode(encode(x)) == x for any x.
+        data = bytes(int(i) - self._offset for i in ids if self._offset <= int(i) < self.vocab_size)
+        return data.decode("utf-8", errors="replace")
+
+
+class HFTokenizer:
+    """A Hugging Face `tokenizers` tokenizer loaded from a local tokenizer.json."""
+
+    def __init__(self, path: str | Path, eos_id: int | None = None, pad_id: int | None = None):
+        self.path = Path(path)
+        self._tok = _read_hf_tokenizer(self.path)
+        self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
+        self.eos_id = self._check_id("eos_id", eos_id if eos_id is not None else self._default_eos())
+        # Padding is never trained on (its loss mask is 0), so eos is a safe stand-in.
+        pad = pad_id if pad_id is not None else self._lookup(_PAD_NAMES)
+        self.pad_id = self._check_id("pad_id", pad if pad is not None else self.eos_id)
+
+    def encode(self, text: str) -> list[int]:
+        # No template specials: documents are delimited by the eos the packer appends.
+        return self._tok.encode(text, add_special_tokens=False).ids
+
+    def encode_batch(self, texts: list[str]) -> list[list[int]]:
+        return [e.ids for e in self._tok.encode_batch(list(texts), add_special_tokens=False)]
+
+    def decode(self, ids) -> str:
+        return self._tok.decode([int(i) for i in ids], skip_special_tokens=True)
+
+    def _default_eos(self) -> int:
+        eos = self._lookup((_config_eos(self.path),) + _EOS_NAMES)
+        if eos is None:
+            raise ZayaError(f"tokenizer {self.path} has no recognizable end-of-text token; "
+                            "pass its id as eos_id")
+        return eos
+
+    def _lookup(self, names) -> int | None:
+        for name in names:
+            if name and (token_id := self._tok.token_to_id(name)) is not None:
+                return token_id
+        return None
+
+    def _check_id(self, what: str, value: int) -> int:
+        if not 0 <= int(value) < self.vocab_size:
+            raise ZayaError(f"{what}={value} is outside the vocabulary of tokenizer {self.path} "
+                            f"(size {self.vocab_size}); pass an id below {self.vocab_size}")
+        return int(value)
+
+
+def load_tokenizer(spec: str, eos_id: int | None = None, pad_id: int | None = None):
+    """"bytes" → ByteTokenizer; a tokenizer.json (or a directory holding one) → HFTokenizer."""
+    if spec == "bytes":
+        if eos_id not in (None, ByteTokenizer.eos_id) or pad_id not in (None, ByteTokenizer.pad_id):
+            raise ZayaError("the bytes tokenizer has fixed ids (eos 2, pad 0); drop eos_id/pad_id")
+        return ByteTokenizer()
+    path = Path(spec).expanduser()
+    if path.is_dir():
+        path = path / "tokenizer.json"
+    if not path.is_file():
+        raise ZayaError(f"tokenizer {path} does not exist; pass 'bytes' or a path to a tokenizer.json")
+    return HFTokenizer(path, eos_id=eos_id, pad_id=pad_id)
+
+
+def _read_hf_tokenizer(path: Path):
+    try:
+        import tokenizers
+    except ImportError as e:
+        raise ZayaError(f"loading tokenizer {path} needs the tokenizers library; "
+                        "run `pip install tokenizers`") from e
+    try:
+        return tokenizers.Tokenizer.from_file(str(path))
+    except Exception as e:  # the Rust side raises a bare Exception for any parse failure
+        first_line = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise ZayaError(f"tokenizer {path} could not be parsed ({first_line}); "
+                        "pass a valid Hugging Face tokenizer.json") from e
+
+
+def _config_eos(path: Path) -> str | None:
+    """The eos token named by a tokenizer_config.json next to the tokenizer, if any."""
+    config = path.parent / "tokenizer_config.json"
+    try:
+        eos = json.loads(config.read_text(encoding="utf-8")).get("eos_token")
+    except (OSError, ValueError, AttributeError):
+        return None
+    if isinstance(eos, dict):
+        eos = eos.get("content")
+    return eos if isinstance(eos, str) else None

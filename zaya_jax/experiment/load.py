@@ -1,0 +1,168 @@
+"""Loading an experiment: run its `get_config()`, apply `--config.a.b=value` overrides, validate.
+
+Overrides follow the absl / `ml_collections.config_flags` convention (`--config.train.steps=10`
+or `--config.train.steps 10`); each value is parsed as the type the key already has. Every
+mistake — a missing file, an unknown key, a value of the wrong type — becomes a `ZayaError`
+whose message names the key and what would be accepted.
+"""
+
+from __future__ import annotations
+
+import ast
+import difflib
+import importlib.util
+import os
+from typing import Any, Iterable
+
+import ml_collections
+
+from zaya_jax.errors import ZayaError
+from zaya_jax.experiment.schema import NULLABLE, base_config
+from zaya_jax.experiment.validate import Experiment, validate
+
+OVERRIDE_PREFIX = "--config."
+
+
+def load_experiment(path: str, overrides: Iterable[str] = ()) -> Experiment:
+    """The validated experiment from a config file plus command-line overrides."""
+    values = flatten(_run_config_file(path).to_dict())
+    schema = flatten(base_config().to_dict())
+    _check_keys(values, schema, path)
+    for key, text in parse_override_args(list(overrides)):
+        _check_override_key(key, schema)
+        values[key] = parse_value(key, text, schema[key])
+    for key, value in values.items():
+        check_type(key, value, schema[key], where=path)
+    return validate(unflatten(values), source=path)
+
+
+def _run_config_file(path: str) -> ml_collections.ConfigDict:
+    if not path:
+        raise ZayaError("--config is required: pass an experiment file, e.g. --config=experiments/tiny_cpu.py")
+    if not os.path.isfile(path):
+        raise ZayaError(f"experiment config {path} does not exist; see experiments/ for the shipped ones")
+    if not path.endswith(".py"):
+        raise ZayaError(f"experiment config {path} must be a Python file defining get_config()")
+    spec = importlib.util.spec_from_file_location(f"zaya_experiment_{abs(hash(path))}", path)
+    module = importlib.util.module_from_spec(spec)
+    try:
+        spec.loader.exec_module(module)
+        get_config = getattr(module, "get_config", None)
+        if get_config is None:
+            raise ZayaError(f"{path} defines no get_config(); an experiment file returns its ConfigDict from it")
+        config = get_config()
+    except ZayaError:
+        raise
+    except Exception as e:  # a user's file: report its own error on one line
+        raise ZayaError(f"{path} failed while building its config: {type(e).__name__}: {e}") from None
+    if isinstance(config, dict):
+        config = ml_collections.ConfigDict(config)
+    if not isinstance(config, ml_collections.ConfigDict):
+        raise ZayaError(f"{path}: get_config() returned {type(config).__name__}, not an ml_collections.ConfigDict")
+    return config
+
+
+def _suggest(key: str, known: Iterable[str]) -> str:
+    close = difflib.get_close_matches(key, list(known), n=1, cutoff=0.6)
+    return f" (did you mean {close[0]}?)" if close else ""
+
+
+def _check_keys(values: dict, schema: dict, path: str) -> None:
+    unknown = sorted(set(values) - set(schema))
+    if unknown:
+        raise ZayaError(f"{path}: unknown config key {unknown[0]}{_suggest(unknown[0], schema)}; "
+                        "experiments may only set the keys of zaya_jax.experiment.base_config()")
+    missing = sorted(set(schema) - set(values))
+    if missing:
+        raise ZayaError(f"{path}: config key {missing[0]} is missing; build the config from "
+                        "zaya_jax.experiment.base_config() so every key is present")
+
+
+def _check_override_key(key: str, schema: dict) -> None:
+    if key not in schema:
+        groups = sorted({k.split(".")[0] for k in schema})
+        raise ZayaError(f"--config.{key}: unknown config key{_suggest(key, schema)}; keys live under {groups}")
+
+
+def parse_override_args(args: list[str]) -> list[tuple[str, str]]:
+    """['--config.a.b=1', '--config.c', '2'] → [('a.b', '1'), ('c', '2')]."""
+    out, i = [], 0
+    while i < len(args):
+        arg = args[i]
+        if not arg.startswith(OVERRIDE_PREFIX):
+            raise ZayaError(f"unrecognized argument {arg!r}; config overrides look like --config.train.steps=100")
+        body = arg[len(OVERRIDE_PREFIX):]
+        if "=" in body:
+            key, text = body.split("=", 1)
+        elif i + 1 < len(args) and not args[i + 1].startswith("--"):
+            key, text = body, args[i + 1]
+            i += 1
+        else:
+            raise ZayaError(f"{arg} has no value; write --config.{body}=VALUE")
+        out.append((key, text))
+        i += 1
+    return out
+
+
+_TRUE, _FALSE = {"true", "1", "yes", "on"}, {"false", "0", "no", "off"}
+
+
+def parse_value(key: str, text: str, default: Any) -> Any:
+    """Parse override text as the type of the key's default value."""
+    kind = type(default)
+    try:
+        if kind is bool:
+            if text.lower() in _TRUE | _FALSE:
+                return text.lower() in _TRUE
+            raise ValueError
+        if kind is int:
+            return int(text)
+        if kind is float:
+            return float(text)
+        if kind is str:
+            return text
+        value = ast.literal_eval(text)
+        return list(value) if isinstance(value, tuple) and kind is list else value
+    except (ValueError, SyntaxError):
+        if default is None and key in NULLABLE:
+            raise ZayaError(f"--config.{key}={text}: expected {_type_words(NULLABLE[key])} or None") from None
+        raise ZayaError(f"--config.{key}={text}: {key} takes {_type_words((kind,))}, got {text!r}") from None
+
+
+def _type_words(kinds: tuple) -> str:
+    names = {bool: "true/false", int: "an integer", float: "a number", str: "a string",
+             list: "a list like [1, 2]", tuple: "a list like [1, 2]"}
+    return " or ".join(names.get(k, k.__name__) for k in kinds)
+
+
+def check_type(key: str, value: Any, default: Any, where: str) -> None:
+    allowed = NULLABLE.get(key, (type(default),))
+    if value is None and key in NULLABLE:
+        return
+    if float in allowed and isinstance(value, int) and not isinstance(value, bool):
+        return
+    if bool not in allowed and isinstance(value, bool):
+        raise ZayaError(f"{where}: {key} must be {_type_words(allowed)}, got {value!r}")
+    if not isinstance(value, allowed):
+        raise ZayaError(f"{where}: {key} must be {_type_words(allowed)}, got {value!r} ({type(value).__name__})")
+
+
+def flatten(tree: dict, prefix: str = "") -> dict[str, Any]:
+    out = {}
+    for key, value in tree.items():
+        if isinstance(value, dict):
+            out.update(flatten(value, f"{prefix}{key}."))
+        else:
+            out[f"{prefix}{key}"] = value
+    return out
+
+
+def unflatten(flat: dict[str, Any]) -> dict:
+    out: dict = {}
+    for key, value in flat.items():
+        node = out
+        *parents, leaf = key.split(".")
+        for p in parents:
+            node = node.setdefault(p, {})
+        node[leaf] = value
+    return out

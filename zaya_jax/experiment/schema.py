@@ -1,0 +1,100 @@
+"""The experiment schema: every config key an experiment has, its type and its default.
+
+`base_config(preset)` is where experiment files start: it returns an `ml_collections.ConfigDict`
+holding every stable key (`train.*`, `eval.*`, `checkpoint.*`, `model.*`, `mesh.*`, `data.*`,
+`optim.*`) with a documented default. An experiment overrides values; it never adds keys, so
+scripts and sweeps can rely on every name here. `model.*` uses Hugging Face `ZayaConfig` names.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import ml_collections
+
+from zaya_jax.config import preset as model_preset
+from zaya_jax.model.remat import REMAT_POLICIES as _POLICIES
+
+MESH_AXES = ("data", "fsdp", "expert", "tsp", "tensor", "sequence")
+REMAT_POLICIES = tuple(_POLICIES)
+
+# Keys whose value may legitimately be None, with the types allowed otherwise.
+NULLABLE = {
+    "model.pad_token_id": (int,),
+    "model.bos_token_id": (int,),
+    "model.eos_token_id": (int, list, tuple),
+}
+
+
+def _train() -> dict:
+    return dict(
+        steps=1000,  # optimizer steps
+        seed=0,  # parameter init and data order
+        global_batch_size=8,  # sequences per optimizer step, summed over devices and micro-batches
+        seq_len=256,  # tokens per sequence
+        grad_accum_steps=1,  # micro-batches per step; each holds global_batch_size / grad_accum_steps rows
+        log_every=10,  # a metrics.jsonl line every N steps (and at the last step)
+        remat="none",  # per-block rematerialisation: none | full (save block inputs only) | dots
+        loss_vocab_chunk=16384,  # vocabulary chunk of the cross-entropy; [tokens, chunk] logits at a time
+        hardware="auto",  # peak-FLOPs profile for MFU: auto | mi300x | mi325x | mi355x | h100 | h200 | cpu
+        progress=True,  # console progress bar
+    )
+
+
+def _eval() -> dict:
+    return dict(
+        every_steps=0,  # held-out loss every N steps (0 = only at the end)
+        batches=4,  # held-out batches per evaluation
+        batch_size=0,  # sequences per held-out batch (0 = the training micro-batch)
+    )
+
+
+def _checkpoint() -> dict:
+    return dict(
+        every_steps=0,  # save the model every N steps (0 = only at the end)
+        keep=2,  # how many step checkpoints to keep
+    )
+
+
+def _optim() -> dict:
+    return dict(
+        lr=6e-4,  # peak learning rate (Muon and AdamW share it; Muon is RMS-matched to AdamW)
+        min_lr=2e-4,  # end of the cosine
+        warmup_steps=100,  # linear warmup from 0
+        decay_steps=0,  # length of warmup + cosine (0 = train.steps)
+        weight_decay=0.1,  # decoupled, on weight matrices, convs and the embedding only
+        b1=0.9,
+        b2=0.95,
+        eps=1e-8,
+        clip_norm=1.0,  # global gradient-norm clip (0 = off)
+        muon_momentum=0.95,
+        muon_nesterov=True,
+        muon_ns_steps=5,  # Newton–Schulz iterations
+        muon_rms=0.2,  # update RMS Muon is scaled to (AdamW's typical update RMS)
+        balance_lr=1e-3,  # Adam on the router balancing biases (ZAYA1's bias balancer)
+        balance_b1=0.9,
+        balance_b2=0.999,
+    )
+
+
+def _data() -> dict:
+    return dict(
+        source="builtin:python-docs",  # builtin:python-docs, a .txt/.jsonl file, or a directory of them
+        text_field="text",  # JSONL field holding the document text
+        tokenizer="bytes",  # "bytes" or a path to a Hugging Face tokenizer.json (or its directory)
+        heldout_fraction=0.05,  # documents kept out of training for the held-out loss
+    )
+
+
+def _mesh() -> dict:
+    # 1 = unused; one axis may be -1 to take all remaining devices.
+    return dict(data=-1, fsdp=1, expert=1, tsp=1, tensor=1, sequence=1)
+
+
+def base_config(preset: str = "tiny_cpu") -> ml_collections.ConfigDict:
+    """Every experiment key with its default; `model.*` from the named model preset."""
+    model = dataclasses.asdict(model_preset(preset))
+    return ml_collections.ConfigDict(
+        dict(train=_train(), eval=_eval(), checkpoint=_checkpoint(), optim=_optim(), data=_data(),
+             mesh=_mesh(), model=model)
+    )

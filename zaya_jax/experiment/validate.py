@@ -1,0 +1,127 @@
+"""Up-front checks of an experiment's values and of combinations that cannot work.
+
+Runs before anything is compiled or allocated. Each failure is one `ZayaError` sentence that
+names the key, the value and what would work. Checks that need the device count (the mesh
+against the machine, the batch against the data axes) live in `zaya_jax.parallel.mesh`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import ml_collections
+
+from zaya_jax.config import ModelConfig
+from zaya_jax.errors import ZayaError
+from zaya_jax.experiment.schema import MESH_AXES, REMAT_POLICIES
+
+# Layouts that arrive with the parallel-layouts work; until then they are refused in words.
+_NOT_YET = ("tsp", "tensor", "sequence")
+BYTE_VOCAB = 259
+
+
+@dataclasses.dataclass(frozen=True)
+class Experiment:
+    config: ml_collections.ConfigDict  # locked: every key validated
+    model: ModelConfig
+    source: str
+
+
+def validate(values: dict[str, Any], source: str) -> Experiment:
+    try:
+        model = ModelConfig(**values["model"])
+    except ZayaError as e:
+        raise ZayaError(f"{source}: {e}") from None
+    config = ml_collections.ConfigDict(values)
+    for check in (_train, _eval, _checkpoint, _optim, _data, _mesh):
+        message = check(config, model)
+        if message:
+            raise ZayaError(f"{source}: {message}")
+    config.lock()
+    return Experiment(config=config, model=model, source=source)
+
+
+def _at_least(config, key: str, low: int) -> str | None:
+    group, name = key.split(".")
+    value = config[group][name]
+    return None if value >= low else f"{key} must be >= {low}, got {value}"
+
+
+def _first(*messages):
+    return next((m for m in messages if m), None)
+
+
+def _train(c, model: ModelConfig) -> str | None:
+    t = c.train
+    return _first(
+        *(_at_least(c, f"train.{k}", 1) for k in ("steps", "global_batch_size", "seq_len", "grad_accum_steps",
+                                                   "log_every", "loss_vocab_chunk")),
+        _at_least(c, "train.seed", 0),
+        None if t.remat in REMAT_POLICIES else f"train.remat must be one of {REMAT_POLICIES}, got {t.remat!r}",
+        None if t.global_batch_size % t.grad_accum_steps == 0 else
+        f"train.global_batch_size ({t.global_batch_size}) must be a multiple of train.grad_accum_steps "
+        f"({t.grad_accum_steps}): each micro-batch holds global_batch_size / grad_accum_steps sequences",
+        None if t.seq_len <= model.max_position_embeddings else
+        f"train.seq_len ({t.seq_len}) exceeds model.max_position_embeddings ({model.max_position_embeddings})",
+        _hardware(t.hardware),
+    )
+
+
+def _hardware(name: str) -> str | None:
+    from zaya_jax.hardware import PROFILES
+
+    if name == "auto" or name in PROFILES:
+        return None
+    return f"train.hardware must be 'auto' or one of {sorted(PROFILES)}, got {name!r}"
+
+
+def _eval(c, model) -> str | None:
+    return _first(*(_at_least(c, f"eval.{k}", 0) for k in ("every_steps", "batches", "batch_size")))
+
+
+def _checkpoint(c, model) -> str | None:
+    return _first(_at_least(c, "checkpoint.every_steps", 0), _at_least(c, "checkpoint.keep", 1))
+
+
+def _optim(c, model) -> str | None:
+    o = c.optim
+    decay = o.decay_steps or c.train.steps
+    checks = [
+        (o.lr > 0, f"optim.lr must be positive, got {o.lr}"),
+        (0 <= o.min_lr <= o.lr, f"optim.min_lr ({o.min_lr}) must be between 0 and optim.lr ({o.lr})"),
+        (o.warmup_steps >= 0 and o.decay_steps >= 0, "optim.warmup_steps and optim.decay_steps must be >= 0"),
+        (o.warmup_steps < decay, f"optim.warmup_steps ({o.warmup_steps}) must be shorter than the schedule "
+                                  f"({decay} steps = optim.decay_steps or train.steps); lower optim.warmup_steps"),
+        (o.weight_decay >= 0 and o.clip_norm >= 0, "optim.weight_decay and optim.clip_norm must be >= 0"),
+        (all(0 <= b < 1 for b in (o.b1, o.b2, o.balance_b1, o.balance_b2, o.muon_momentum)),
+         "optim.b1, b2, balance_b1, balance_b2 and muon_momentum must be in [0, 1)"),
+        (o.eps > 0 and o.muon_rms > 0, "optim.eps and optim.muon_rms must be positive"),
+        (o.muon_ns_steps >= 1, f"optim.muon_ns_steps must be >= 1, got {o.muon_ns_steps}"),
+        (o.balance_lr >= 0, f"optim.balance_lr must be >= 0, got {o.balance_lr}"),
+    ]
+    return next((msg for ok, msg in checks if not ok), None)
+
+
+def _data(c, model: ModelConfig) -> str | None:
+    d = c.data
+    if not 0 <= d.heldout_fraction < 1:
+        return f"data.heldout_fraction must be in [0, 1), got {d.heldout_fraction}"
+    if d.tokenizer == "bytes" and model.vocab_size < BYTE_VOCAB:
+        return (f"model.vocab_size ({model.vocab_size}) is too small for the byte tokenizer "
+                f"(needs {BYTE_VOCAB}); raise it or set data.tokenizer to a tokenizer.json")
+    return None
+
+
+def _mesh(c, model) -> str | None:
+    sizes = {axis: c.mesh[axis] for axis in MESH_AXES}
+    bad = [a for a, s in sizes.items() if not (s >= 1 or s == -1)]
+    if bad:
+        return f"mesh.{bad[0]} must be a positive size or -1 (take the remaining devices), got {sizes[bad[0]]}"
+    if sum(s == -1 for s in sizes.values()) > 1:
+        return "only one mesh axis may be -1; give the others explicit sizes"
+    later = [a for a in _NOT_YET if sizes[a] != 1]
+    if later:
+        return (f"mesh.{later[0]}={sizes[later[0]]}: the {later[0]} layout is not available in this version; "
+                "use the data, fsdp and expert axes (set mesh.{0}=1)".format(later[0]))
+    return None

@@ -1,0 +1,1 @@
+"""Parallelism: the device mesh built from an experiment, and the logical → mesh sharding rules."""

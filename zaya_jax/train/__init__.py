@@ -1,0 +1,1 @@
+"""Training: optimizer, loss, load balancing, the train step and loop, metrics."""

@@ -1,0 +1,125 @@
+"""Vocabulary-chunked cross-entropy for ZAYA1's tied LM head.
+
+ZAYA1 ties the LM head to the input embedding (vocab 262,272 × hidden 2048). Materialising the
+full fp32 logits for a training batch costs ~1 MiB per token (4 GiB at 4k tokens), and autodiff
+would keep them alive — plus their softmax — until the backward pass. This module computes the
+per-token loss one vocabulary chunk at a time instead: the forward keeps an online logsumexp
+(running max and running sum-exp) per token, and a `jax.custom_vjp` backward recomputes each
+chunk's logits from `hidden`, the table and the saved logsumexp. Peak extra memory is
+O(tokens × chunk_size) rather than O(tokens × vocab).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+
+def reference_cross_entropy(hidden: jax.Array, embedding: jax.Array, targets: jax.Array) -> jax.Array:
+    """Full-logits per-token loss fp32[T]; the ground truth for `chunked_cross_entropy`."""
+    logits = jnp.dot(hidden.astype(jnp.float32), embedding.astype(jnp.float32).T, preferred_element_type=jnp.float32)
+    picked = jnp.take_along_axis(logits, targets.astype(jnp.int32)[:, None], axis=1)[:, 0]
+    return jax.nn.logsumexp(logits, axis=-1) - picked
+
+
+def chunked_cross_entropy(hidden: jax.Array, embedding: jax.Array, targets: jax.Array, *,
+                          chunk_size: int = 16384) -> jax.Array:
+    """Per-token loss fp32[T] = logsumexp(hidden @ embeddingᵀ) - logit[target], computed in fp32.
+
+    hidden: float[T, H]; embedding: float[V, H], the tied table; targets: int[T] in [0, V).
+    The `[T, V]` logits never exist at once: at most `[T, chunk_size]` per step, forward and
+    backward. Gradients flow to `hidden` and `embedding` in their own dtypes; none to targets.
+    """
+    if chunk_size <= 0:
+        raise ValueError(f"chunk_size must be positive, got {chunk_size}")
+    chunk = min(int(chunk_size), embedding.shape[0])
+    return _chunked_ce(chunk, hidden, embedding, targets.astype(jnp.int32))
+
+
+def _chunked_table(embedding: jax.Array, chunk: int) -> jax.Array:
+    """[V, H] → [n, chunk, H], zero rows appended so V need not divide by chunk.
+
+    Padding stays in the input dtype; each chunk is cast to fp32 inside the loop, so no fp32
+    copy of the whole table is made.
+    """
+    vocab, width = embedding.shape
+    num_chunks = -(-vocab // chunk)
+    padded = jnp.pad(embedding, ((0, num_chunks * chunk - vocab), (0, 0)))
+    return padded.reshape(num_chunks, chunk, width)
+
+
+def _chunk_logits(h: jax.Array, table_chunk: jax.Array, offset: jax.Array, vocab: int):
+    """fp32 logits [T, chunk] of one chunk and the mask of its real (non-padding) columns."""
+    logits = jnp.dot(h, table_chunk.astype(jnp.float32).T, preferred_element_type=jnp.float32)
+    valid = offset + jnp.arange(table_chunk.shape[0]) < vocab
+    return logits, valid
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _chunked_ce(chunk: int, hidden: jax.Array, embedding: jax.Array, targets: jax.Array) -> jax.Array:
+    return _forward(chunk, hidden, embedding, targets)[0]
+
+
+def _forward(chunk, hidden, embedding, targets):
+    """Returns (loss, lse): one pass over the chunks with an online logsumexp."""
+    vocab = embedding.shape[0]
+    h = hidden.astype(jnp.float32)
+    chunks = _chunked_table(embedding, chunk)
+    num_tokens = h.shape[0]
+
+    def step(carry, xs):
+        run_max, run_sum, target_logit = carry
+        table_chunk, offset = xs
+        logits, valid = _chunk_logits(h, table_chunk, offset, vocab)
+        logits = jnp.where(valid[None, :], logits, -jnp.inf)
+        # Every chunk holds at least one real column, so new_max is finite and the rescale of
+        # the previous sum (exp(-inf) = 0 on the first chunk) never produces NaN.
+        new_max = jnp.maximum(run_max, logits.max(axis=-1))
+        run_sum = run_sum * jnp.exp(run_max - new_max) + jnp.exp(logits - new_max[:, None]).sum(axis=-1)
+        local = targets - offset
+        here = (local >= 0) & (local < chunk)
+        picked = jnp.take_along_axis(logits, jnp.clip(local, 0, chunk - 1)[:, None], axis=1)[:, 0]
+        target_logit = target_logit + jnp.where(here, picked, 0.0)
+        return (new_max, run_sum, target_logit), None
+
+    init = (jnp.full((num_tokens,), -jnp.inf, jnp.float32), jnp.zeros((num_tokens,), jnp.float32),
+            jnp.zeros((num_tokens,), jnp.float32))
+    offsets = jnp.arange(chunks.shape[0], dtype=jnp.int32) * chunk
+    (run_max, run_sum, target_logit), _ = jax.lax.scan(step, init, (chunks, offsets))
+    lse = run_max + jnp.log(run_sum)
+    return lse - target_logit, lse
+
+
+def _fwd(chunk, hidden, embedding, targets):
+    loss, lse = _forward(chunk, hidden, embedding, targets)
+    return loss, (hidden, embedding, targets, lse)
+
+
+def _bwd(chunk, residuals, g):
+    """dloss/dlogits = g · (softmax - onehot(target)), rebuilt chunk by chunk from the saved lse."""
+    hidden, embedding, targets, lse = residuals
+    vocab = embedding.shape[0]
+    h = hidden.astype(jnp.float32)
+    g = g.astype(jnp.float32)
+    chunks = _chunked_table(embedding, chunk)
+
+    def step(d_hidden, xs):
+        table_chunk, offset = xs
+        logits, valid = _chunk_logits(h, table_chunk, offset, vocab)
+        probs = jnp.where(valid[None, :], jnp.exp(logits - lse[:, None]), 0.0)
+        onehot = (offset + jnp.arange(chunk))[None, :] == targets[:, None]
+        dlogits = (probs - onehot.astype(jnp.float32)) * g[:, None]
+        d_hidden = d_hidden + jnp.dot(dlogits, table_chunk.astype(jnp.float32), preferred_element_type=jnp.float32)
+        # Cast per chunk so the stacked table gradient is built in the table's own dtype.
+        d_chunk = jnp.dot(dlogits.T, h, preferred_element_type=jnp.float32).astype(embedding.dtype)
+        return d_hidden, d_chunk
+
+    offsets = jnp.arange(chunks.shape[0], dtype=jnp.int32) * chunk
+    d_hidden, d_chunks = jax.lax.scan(step, jnp.zeros_like(h), (chunks, offsets))
+    d_embedding = d_chunks.reshape(-1, embedding.shape[1])[:vocab]
+    return d_hidden.astype(hidden.dtype), d_embedding, None
+
+
+_chunked_ce.defvjp(_fwd, _bwd)

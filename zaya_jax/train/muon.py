@@ -1,0 +1,79 @@
+"""Muon: momentum, then Newton–Schulz orthogonalisation, scaled so its RMS matches AdamW's.
+
+For a weight viewed as a matrix `[fan_in, fan_out]` (stacked experts are a batch of such
+matrices, one per expert), the update is `NS5(m) · rms · sqrt(max(fan_in, fan_out))`: an
+orthogonalised matrix has RMS `1/sqrt(max(fan_in, fan_out))`, so the factor gives every Muon
+update the RMS `rms` (0.2, the typical AdamW update RMS, as in Moonlight) and lets Muon share
+AdamW's learning rate and weight decay.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+
+# Quintic Newton–Schulz coefficients (Keller Jordan's Muon): fast growth of small singular
+# values; the result has singular values in roughly [0.7, 1.2] rather than exactly 1.
+NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
+
+
+@dataclasses.dataclass(frozen=True)
+class MatrixView:
+    """How an N-d weight reads as a batch of matrices: leading batch axes, then fan-in axes."""
+
+    batch_axes: int = 0
+    in_axes: int = 1
+
+    def to_matrices(self, x: jax.Array) -> jax.Array:
+        shape = x.shape
+        batch = shape[: self.batch_axes]
+        fan_in = math.prod(shape[self.batch_axes: self.batch_axes + self.in_axes])
+        return x.reshape(*batch, fan_in, -1)
+
+
+def newton_schulz(g: jax.Array, steps: int = 5, eps: float = 1e-7) -> jax.Array:
+    """Approximately orthogonalise the last two dims of `g` (the polar factor U Vᵀ of its SVD)."""
+    a, b, c = NS_COEFFICIENTS
+    wide = g.shape[-2] <= g.shape[-1]
+    x = g if wide else jnp.swapaxes(g, -1, -2)
+    x = x / (jnp.linalg.norm(x, axis=(-2, -1), keepdims=True) + eps)
+    for _ in range(steps):
+        gram = x @ jnp.swapaxes(x, -1, -2)  # the small side: [rows, rows]
+        x = a * x + (b * gram + c * gram @ gram) @ x
+    return x if wide else jnp.swapaxes(x, -1, -2)
+
+
+def orthogonal_update(m: jax.Array, view: MatrixView, steps: int, rms: float) -> jax.Array:
+    mats = view.to_matrices(m.astype(jnp.float32))
+    scale = rms * math.sqrt(max(mats.shape[-2], mats.shape[-1]))
+    return (newton_schulz(mats, steps) * scale).reshape(m.shape).astype(m.dtype)
+
+
+class MuonState(NamedTuple):
+    momentum: optax.Updates
+
+
+def scale_by_muon(views: dict[str, MatrixView], momentum: float = 0.95, nesterov: bool = True,
+                  ns_steps: int = 5, rms: float = 0.2) -> optax.GradientTransformation:
+    """Muon direction for a flat `{path: array}` tree; `views` gives each path's matrix view.
+
+    Leaves that another transform owns (optax.multi_transform masks) are skipped by tree_map.
+    """
+
+    def init(params):
+        return MuonState(jax.tree.map(jnp.zeros_like, params))
+
+    def update(updates, state, params=None):
+        new_m = jax.tree.map(lambda m, g: momentum * m + (1 - momentum) * g, state.momentum, updates)
+        direction = (jax.tree.map(lambda m, g: momentum * m + (1 - momentum) * g, new_m, updates)
+                     if nesterov else new_m)
+        out = jax.tree_util.tree_map_with_path(
+            lambda path, d: orthogonal_update(d, views[path[-1].key], ns_steps, rms), direction)
+        return out, MuonState(new_m)
+
+    return optax.GradientTransformation(init, update)

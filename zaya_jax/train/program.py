@@ -1,0 +1,126 @@
+"""The compiled training program of an experiment on a mesh: shardings, init, train/eval steps.
+
+`Program` ties a validated experiment to a device mesh: it builds the optimizer, the
+shardings of every state leaf (from the logical → mesh rules), the initial state placed
+directly on the devices, and the jitted train and eval steps. `abstract_state()` and
+`compile_train_step()` work from shapes alone, so a full-size model can be compiled for a
+target mesh without allocating it (see `tools/compile_step.py`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from zaya_jax.experiment import Experiment
+from zaya_jax.parallel.mesh import mesh_for
+from zaya_jax.parallel.rules import named_sharding
+from zaya_jax.train import balancing
+from zaya_jax.train.model_state import ModelDef, init_arrays, model_def
+from zaya_jax.train.optim import build_optimizer
+from zaya_jax.train.step import (BATCH_KEYS, StepConfig, TrainState, init_state, make_eval_step,
+                                 make_train_step)
+
+
+@dataclasses.dataclass
+class Program:
+    exp: Experiment
+    mesh: Mesh
+    modeldef: ModelDef
+
+    def __post_init__(self):
+        c = self.exp.config
+        self.tx, self.schedule = build_optimizer(c.optim, c.train.steps, self.modeldef.param_axes)
+        self.balance_tx = balancing.balancer(c.optim.balance_lr, c.optim.balance_b1, c.optim.balance_b2)
+        self.step_cfg = StepConfig(remat=c.train.remat, vocab_chunk=c.train.loss_vocab_chunk)
+        self.state_shardings = self._state_shardings()
+        self._train_step = None
+
+    # ---- shapes and shardings --------------------------------------------------------------
+    @property
+    def micro_batch(self) -> int:
+        return self.exp.config.train.global_batch_size // self.exp.config.train.grad_accum_steps
+
+    def replicated(self) -> NamedSharding:
+        return NamedSharding(self.mesh, PartitionSpec())
+
+    def param_shardings(self) -> dict[str, NamedSharding]:
+        shapes = self.modeldef.param_shapes
+        return {k: named_sharding(axes, self.mesh, shapes[k]) for k, axes in self.modeldef.param_axes.items()}
+
+    def batch_sharding(self, accumulated: bool = True) -> NamedSharding:
+        spec = named_sharding(("batch", None), self.mesh).spec
+        return NamedSharding(self.mesh, PartitionSpec(None, *spec) if accumulated else spec)
+
+    def abstract_state(self) -> TrainState:
+        return jax.eval_shape(self._init)
+
+    def _init(self) -> TrainState:
+        params, biases = init_arrays(self.modeldef.cfg, self.exp.config.train.seed)
+        return init_state(params, biases, self.tx, self.balance_tx)
+
+    def _state_shardings(self) -> TrainState:
+        """Optimizer moments follow their parameter's sharding; everything else is replicated."""
+        by_param = self.param_shardings()
+        shapes = self.modeldef.param_shapes
+        abstract = jax.eval_shape(self._init)
+
+        def pick(path, leaf):
+            keys = [p.key for p in path if isinstance(p, jax.tree_util.DictKey)]
+            for key in reversed(keys):
+                if key in by_param and tuple(leaf.shape) == shapes[key]:
+                    return by_param[key]
+            return self.replicated()
+
+        return jax.tree_util.tree_map_with_path(pick, abstract)
+
+    def abstract_batch(self) -> dict[str, jax.ShapeDtypeStruct]:
+        c = self.exp.config.train
+        shape = (c.grad_accum_steps, self.micro_batch, c.seq_len)
+        dtypes = {"loss_mask": jnp.float32}
+        sharding = self.batch_sharding()
+        return {k: jax.ShapeDtypeStruct(shape, dtypes.get(k, jnp.int32), sharding=sharding) for k in BATCH_KEYS}
+
+    # ---- programs ---------------------------------------------------------------------------
+    def init(self) -> TrainState:
+        """The initial state, created directly in its sharded placement."""
+        return jax.jit(self._init, out_shardings=self.state_shardings)()
+
+    def jitted_train_step(self):
+        step = make_train_step(self.modeldef, self.tx, self.balance_tx, self.schedule, self.step_cfg)
+        return jax.jit(step, in_shardings=(self.state_shardings, self.batch_sharding()),
+                       out_shardings=(self.state_shardings, self.replicated()), donate_argnums=0)
+
+    def compile_train_step(self):
+        """AOT-compile the train step from abstract shapes; returns (compiled, seconds)."""
+        start = time.perf_counter()
+        abstract = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
+                                self.abstract_state(), self.state_shardings)
+        compiled = self.jitted_train_step().lower(abstract, self.abstract_batch()).compile()
+        return compiled, time.perf_counter() - start
+
+    def jitted_eval_step(self):
+        step = make_eval_step(self.modeldef, self.step_cfg)
+        params_sh = self.state_shardings.params
+        biases_sh = self.state_shardings.biases
+        return jax.jit(step, in_shardings=(params_sh, biases_sh, self.batch_sharding(accumulated=False)),
+                       out_shardings=self.replicated())
+
+    def place_batch(self, batch: dict, accumulated: bool = True) -> dict:
+        """Host numpy batch → global arrays; [B, S] is reshaped to [A, B/A, S] for accumulation."""
+        if accumulated:
+            a = self.exp.config.train.grad_accum_steps
+            batch = {k: v.reshape(a, v.shape[0] // a, *v.shape[1:]) for k, v in batch.items()}
+        sharding = self.batch_sharding(accumulated)
+        return {k: jax.device_put(batch[k], sharding) for k in BATCH_KEYS}
+
+
+def build_program(exp: Experiment, devices=None) -> Program:
+    c = exp.config
+    micro = c.train.global_batch_size // c.train.grad_accum_steps
+    mesh = mesh_for(dict(c.mesh), exp.model, micro, devices)
+    return Program(exp, mesh, model_def(exp.model))

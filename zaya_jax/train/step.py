@@ -1,0 +1,106 @@
+"""The train step and the eval step: pure functions of (state, batch), jitted over the run's mesh.
+
+One train step = gradient accumulation over the global batch's micro-batches (a `lax.scan`,
+summing token-weighted losses so the result equals one big batch), global-norm clipping and
+the Muon/AdamW update, then the balancing-bias update from the expert counts of the whole
+global batch. The loss is the vocabulary-chunked cross-entropy on the fp32 final hidden states.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from zaya_jax.train import balancing
+from zaya_jax.train.loss import chunked_cross_entropy
+from zaya_jax.train.model_state import ModelDef
+
+BATCH_KEYS = ("inputs", "targets", "segment_ids", "positions", "loss_mask")
+
+
+@dataclasses.dataclass
+class TrainState:
+    step: jax.Array  # int32 scalar: optimizer steps taken
+    params: dict[str, jax.Array]
+    biases: dict[str, jax.Array]  # balancing biases, [E+1] per layer, moved by the balancer only
+    opt_state: Any
+    balance_state: Any
+
+
+jax.tree_util.register_dataclass(
+    TrainState, data_fields=["step", "params", "biases", "opt_state", "balance_state"], meta_fields=[])
+
+
+@dataclasses.dataclass(frozen=True)
+class StepConfig:
+    remat: str = "none"
+    vocab_chunk: int = 16384
+
+
+def batch_sums(modeldef: ModelDef, params, biases, batch, cfg: StepConfig):
+    """Summed token loss, counted tokens and expert counts [L, E+1] for one micro-batch."""
+    model = modeldef.merge(params, biases)
+    hidden, choices = model.hidden_states(batch["inputs"], batch["segment_ids"], batch["positions"],
+                                          remat=cfg.remat)
+    tokens = hidden.shape[0] * hidden.shape[1]
+    per_token = chunked_cross_entropy(hidden.reshape(tokens, -1), params["embedding"],
+                                      batch["targets"].reshape(tokens), chunk_size=cfg.vocab_chunk)
+    mask = batch["loss_mask"].reshape(tokens).astype(jnp.float32)
+    valid = batch["segment_ids"].reshape(tokens) > 0
+    counts = balancing.expert_counts(choices, valid, modeldef.cfg.num_experts)
+    return jnp.sum(per_token * mask), (jnp.sum(mask), counts)
+
+
+def accumulate_gradients(modeldef, params, biases, batches, cfg: StepConfig):
+    """Sum of gradients, losses, token counts and expert counts over micro-batches [A, b, S]."""
+    grad_fn = jax.value_and_grad(lambda p, b: batch_sums(modeldef, p, biases, b, cfg), has_aux=True)
+
+    def body(carry, micro):
+        (loss, (ntok, counts)), grads = grad_fn(params, micro)
+        g_sum, l_sum, n_sum, c_sum = carry
+        return (jax.tree.map(jnp.add, g_sum, grads), l_sum + loss, n_sum + ntok, c_sum + counts), None
+
+    layers, classes = modeldef.cfg.num_hidden_layers, modeldef.cfg.num_experts + 1
+    init = (jax.tree.map(jnp.zeros_like, params), jnp.float32(0), jnp.float32(0),
+            jnp.zeros((layers, classes), jnp.float32))
+    (grads, loss, ntok, counts), _ = jax.lax.scan(body, init, batches)
+    return grads, loss, ntok, counts
+
+
+def make_train_step(modeldef: ModelDef, tx: optax.GradientTransformation, balance_tx: optax.GradientTransformation,
+                    schedule: Callable, cfg: StepConfig):
+    """`train_step(state, batches) -> (state, metrics)`; `batches` leaves are [A, b, S]."""
+    bias_keys = modeldef.bias_keys
+
+    def train_step(state: TrainState, batches):
+        grads, loss_sum, ntok, counts = accumulate_gradients(modeldef, state.params, state.biases, batches, cfg)
+        denom = jnp.maximum(ntok, 1.0)
+        grads = jax.tree.map(lambda g: g / denom, grads)
+        updates, opt_state = tx.update(grads, state.opt_state, state.params)
+        params = optax.apply_updates(state.params, updates)
+        biases, balance_state = balancing.update_biases(state.biases, counts, bias_keys, balance_tx,
+                                                        state.balance_state)
+        metrics = {"loss": loss_sum / denom, "grad_norm": optax.global_norm(grads), "lr": schedule(state.step),
+                   "tokens": ntok, "expert_counts": counts, **balancing.load_summary(counts)}
+        new_state = TrainState(state.step + 1, params, biases, opt_state, balance_state)
+        return new_state, metrics
+
+    return train_step
+
+
+def make_eval_step(modeldef: ModelDef, cfg: StepConfig):
+    """`eval_step(params, biases, batch) -> (loss_sum, tokens)` for one [b, S] batch."""
+
+    def eval_step(params, biases, batch):
+        loss, (ntok, _) = batch_sums(modeldef, params, biases, batch, dataclasses.replace(cfg, remat="none"))
+        return loss, ntok
+
+    return eval_step
+
+
+def init_state(params, biases, tx, balance_tx) -> TrainState:
+    return TrainState(jnp.zeros((), jnp.int32), params, biases, tx.init(params), balance_tx.init(biases))
