@@ -110,6 +110,8 @@ _TRUE, _FALSE = {"true", "1", "yes", "on"}, {"false", "0", "no", "off"}
 def parse_value(key: str, text: str, default: Any) -> Any:
     """Parse override text as the type of the key's default value."""
     kind = type(default)
+    if key in NULLABLE:
+        return _parse_nullable(key, text)
     try:
         if kind is bool:
             if text.lower() in _TRUE | _FALSE:
@@ -124,9 +126,19 @@ def parse_value(key: str, text: str, default: Any) -> Any:
         value = ast.literal_eval(text)
         return list(value) if isinstance(value, tuple) and kind is list else value
     except (ValueError, SyntaxError):
-        if default is None and key in NULLABLE:
-            raise ZayaError(f"--config.{key}={text}: expected {_type_words(NULLABLE[key])} or None") from None
         raise ZayaError(f"--config.{key}={text}: {key} takes {_type_words((kind,))}, got {text!r}") from None
+
+
+def _parse_nullable(key: str, text: str) -> Any:
+    if text.lower() in ("none", "null"):
+        return None
+    try:
+        value = ast.literal_eval(text)
+    except (ValueError, SyntaxError):
+        value = text
+    if isinstance(value, bool) or not isinstance(value, NULLABLE[key]):
+        raise ZayaError(f"--config.{key}={text}: {key} takes {_type_words(NULLABLE[key])} or None")
+    return value
 
 
 def _type_words(kinds: tuple) -> str:

@@ -37,7 +37,6 @@ class Router(nnx.Module):
     def __init__(self, cfg: ModelConfig, layer: int, *, rngs: nnx.Rngs):
         h, r, classes = cfg.hidden_size, cfg.router_hidden_size, cfg.num_experts + 1
         init = normal(cfg.initializer_range)
-        self.num_experts = cfg.num_experts
         self.down = make_param(rngs, init, (h, r), ("embed", "router"))
         self.down_bias = make_param(rngs, constant(0.0), (r,), ("router",))
         # EDA scale exists from the second MoE layer on (HF has no router_states_scale in layer 0).
@@ -59,8 +58,12 @@ class Router(nnx.Module):
         hidden = jax.nn.gelu(hidden @ self.fc1[...] + self.fc1_bias[...], approximate=False)
         hidden = jax.nn.gelu(hidden @ self.fc2[...] + self.fc2_bias[...], approximate=False)
         probs = jax.nn.softmax(hidden @ self.out[...], axis=-1)
-        biased = jax.lax.stop_gradient(probs) + self.balancing_biases[...]
-        expert = jnp.argmax(biased, axis=-1).astype(jnp.int32)
-        weight = jnp.take_along_axis(probs, expert[:, None], axis=-1)[:, 0]
-        weight = jnp.where(expert == self.num_experts, 0.0, weight)
-        return Routing(expert, weight, probs), state
+        return choose_top1(probs, self.balancing_biases[...]), state
+
+
+def choose_top1(probs: jax.Array, biases: jax.Array) -> Routing:
+    """Biased choice `argmax(stop_gradient(p) + b)`, unbiased weight `p[choice]`, 0 for the skip class."""
+    skip = probs.shape[-1] - 1
+    expert = jnp.argmax(jax.lax.stop_gradient(probs) + biases, axis=-1).astype(jnp.int32)
+    weight = jnp.take_along_axis(probs, expert[:, None], axis=-1)[:, 0]
+    return Routing(expert, jnp.where(expert == skip, 0.0, weight), probs)

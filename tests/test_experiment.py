@@ -1,0 +1,120 @@
+"""Experiment configs: the shipped files validate; bad keys, types and combinations are refused in words."""
+
+import os
+import textwrap
+
+import pytest
+
+from zaya_jax.errors import ZayaError
+from zaya_jax.experiment import base_config, load_experiment
+from zaya_jax.experiment.load import flatten, parse_override_args
+from zaya_jax.parallel.mesh import check_layout, resolve_axis_sizes
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+EXPERIMENTS = os.path.join(ROOT, "experiments")
+TINY = os.path.join(EXPERIMENTS, "tiny_cpu.py")
+
+STABLE_KEYS = ["train.steps", "train.seed", "train.global_batch_size", "train.seq_len", "train.log_every",
+               "checkpoint.every_steps", "model.compute_dtype", "model.hidden_size", "model.num_experts",
+               "mesh.data", "mesh.fsdp", "mesh.expert", "mesh.tsp", "mesh.tensor", "mesh.sequence"]
+
+
+@pytest.mark.parametrize("name", ["tiny_cpu", "zaya1_base_phase1", "zaya1_base_midtrain_32k"])
+def test_shipped_experiments_validate_and_have_stable_keys(name):
+    exp = load_experiment(os.path.join(EXPERIMENTS, f"{name}.py"))
+    keys = flatten(exp.config.to_dict())
+    for key in STABLE_KEYS:
+        assert key in keys
+    assert any(k.startswith("data.") for k in keys) and any(k.startswith("optim.") for k in keys)
+
+
+def test_published_recipes():
+    p1 = load_experiment(os.path.join(EXPERIMENTS, "zaya1_base_phase1.py"))
+    assert (p1.model.hidden_size, p1.model.num_hidden_layers, p1.model.vocab_size) == (2048, 40, 262272)
+    assert p1.config.train.seq_len == 4096 and p1.config.train.global_batch_size == 4096
+    assert p1.model.rope_theta == 1e4 and (p1.config.optim.lr, p1.config.optim.min_lr) == (6e-4, 2e-4)
+    mid = load_experiment(os.path.join(EXPERIMENTS, "zaya1_base_midtrain_32k.py"))
+    assert mid.config.train.seq_len == 32768 and mid.model.rope_theta == 1e6
+
+
+def test_overrides_are_parsed_as_the_key_type():
+    exp = load_experiment(TINY, ["--config.train.steps=7", "--config.optim.lr", "1e-3",
+                                 "--config.train.progress=false", "--config.model.compute_dtype=bfloat16",
+                                 "--config.model.eos_token_id=None", "--config.optim.warmup_steps=1"])
+    assert exp.config.train.steps == 7 and exp.config.optim.lr == 1e-3
+    assert exp.config.train.progress is False and exp.model.compute_dtype == "bfloat16"
+    assert exp.model.eos_token_id is None
+
+
+@pytest.mark.parametrize("overrides, words", [
+    (["--config.train.stepz=5"], "unknown config key (did you mean train.steps?)"),
+    (["--config.train.steps=ten"], "train.steps takes an integer, got 'ten'"),
+    (["--config.train.progress=maybe"], "true/false"),
+    (["--config.train.steps"], "has no value"),
+    (["--steps=5"], "unrecognized argument"),
+    (["--config.train.global_batch_size=10", "--config.train.grad_accum_steps=4"], "multiple of train.grad_accum_steps"),
+    (["--config.mesh.tsp=2"], "mesh.tsp=2"),
+    (["--config.mesh.data=-1", "--config.mesh.fsdp=-1"], "only one mesh axis may be -1"),
+    (["--config.train.remat=some"], "train.remat must be one of"),
+    (["--config.model.num_attention_heads=3"], "model.num_attention_heads (3) must be a multiple"),
+    (["--config.optim.min_lr=1.0"], "optim.min_lr"),
+    (["--config.train.seq_len=100000"], "exceeds model.max_position_embeddings"),
+    (["--config.model.vocab_size=100"], "too small for the byte tokenizer"),
+    (["--config.train.hardware=tpu9"], "train.hardware must be"),
+])
+def test_bad_overrides_name_the_problem(overrides, words):
+    with pytest.raises(ZayaError, match=None) as err:
+        load_experiment(TINY, overrides)
+    assert words in str(err.value)
+    assert "\n" not in str(err.value)
+
+
+def _write(tmp_path, body):
+    path = tmp_path / "exp.py"
+    path.write_text(textwrap.dedent(body))
+    return str(path)
+
+
+def test_bad_experiment_files(tmp_path):
+    with pytest.raises(ZayaError, match="does not exist"):
+        load_experiment(str(tmp_path / "nope.py"))
+    with pytest.raises(ZayaError, match="defines no get_config"):
+        load_experiment(_write(tmp_path, "x = 1\n"))
+    with pytest.raises(ZayaError, match="unknown config key train.learning_rate"):
+        load_experiment(_write(tmp_path, """
+            from zaya_jax.experiment import base_config
+            def get_config():
+                c = base_config()
+                c.unlock()
+                c.train.learning_rate = 1.0
+                return c
+        """))
+    with pytest.raises(ZayaError, match="train.steps must be an integer, got '10'"):
+        load_experiment(_write(tmp_path, """
+            from zaya_jax.experiment import base_config
+            def get_config():
+                c = base_config().to_dict()
+                c["train"]["steps"] = "10"
+                return c
+        """))
+    with pytest.raises(ZayaError, match="failed while building its config: ZeroDivisionError"):
+        load_experiment(_write(tmp_path, "def get_config():\n    return 1 / 0\n"))
+
+
+def test_mesh_resolution_and_layout_checks():
+    base = dict(base_config().mesh)
+    assert resolve_axis_sizes(base, 8)["data"] == 8
+    assert resolve_axis_sizes(dict(base, data=2, fsdp=-1, expert=2), 8)["fsdp"] == 2
+    with pytest.raises(ZayaError, match="needs 4 devices but this run has 8"):
+        resolve_axis_sizes(dict(base, data=4), 8)
+    with pytest.raises(ZayaError, match="does not divide 8"):
+        resolve_axis_sizes(dict(base, data=-1, fsdp=3), 8)
+    model = load_experiment(TINY).model
+    with pytest.raises(ZayaError, match="does not split over the 8 data-parallel devices"):
+        check_layout(resolve_axis_sizes(base, 8), model, micro_batch=12)
+    with pytest.raises(ZayaError, match="num_experts .4. is not divisible by mesh.expert .8."):
+        check_layout(resolve_axis_sizes(dict(base, data=1, expert=8), 8), model, micro_batch=8)
+
+
+def test_parse_override_args_forms():
+    assert parse_override_args(["--config.a.b=1", "--config.c", "x=y"]) == [("a.b", "1"), ("c", "x=y")]

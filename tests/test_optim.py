@@ -1,0 +1,144 @@
+"""The optimizer: Muon's update is near-orthogonal and RMS-matched; every parameter is where the recipe says."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+from zaya_jax.config import preset
+from zaya_jax.errors import ZayaError
+from zaya_jax.experiment import base_config
+from zaya_jax.train.model_state import model_def
+from zaya_jax.train.muon import MatrixView, newton_schulz, orthogonal_update, scale_by_muon
+from zaya_jax.train.optim import build_optimizer, learning_rate_schedule, rule_for
+
+
+@pytest.mark.parametrize("shape", [(64, 64), (32, 96), (96, 32), (4, 24, 40)])
+def test_newton_schulz_is_near_orthogonal(shape):
+    g = jax.random.normal(jax.random.key(0), shape)
+    x = newton_schulz(g, steps=5)
+    sv = np.linalg.svd(np.asarray(x), compute_uv=False)
+    # Quintic NS trades exactness for speed: singular values land in ~[0.7, 1.2], never near 0.
+    assert sv.min() > 0.6 and sv.max() < 1.25, (sv.min(), sv.max())
+    # Same singular vectors as the exact polar factor U Vᵀ: strong alignment.
+    u, _, vt = np.linalg.svd(np.asarray(g), full_matrices=False)
+    polar = u @ vt
+    cos = np.sum(np.asarray(x) * polar, axis=(-2, -1)) / (
+        np.linalg.norm(np.asarray(x), axis=(-2, -1)) * np.linalg.norm(polar, axis=(-2, -1)))
+    assert np.all(cos > 0.97)
+
+
+@pytest.mark.parametrize("shape, view", [
+    ((64, 256), MatrixView(0, 1)),  # wide matrix
+    ((64, 4, 16), MatrixView(0, 1)),  # wq-like [H, nq, d]
+    ((4, 16, 64), MatrixView(0, 2)),  # wo-like [nq, d, H]
+    ((4, 64, 32), MatrixView(1, 1)),  # stacked experts [E, H, I]
+])
+def test_muon_update_rms_matches_adamw(shape, view):
+    g = jax.random.normal(jax.random.key(1), shape)
+    update = orthogonal_update(g, view, steps=5, rms=0.2)
+    rms = float(jnp.sqrt(jnp.mean(update ** 2)))
+    # Exactly 0.2 for an exactly orthogonal factor; quintic NS leaves singular values in ~[0.7, 1.2].
+    assert 0.16 < rms < 0.24, rms
+
+
+def test_experts_are_orthogonalised_one_by_one():
+    g = jax.random.normal(jax.random.key(2), (3, 16, 32))
+    g = g.at[1].multiply(100.0)  # a huge expert must not shrink the others' updates
+    update = orthogonal_update(g, MatrixView(1, 1), steps=5, rms=0.2)
+    per_expert = jnp.sqrt(jnp.mean(update ** 2, axis=(1, 2)))
+    np.testing.assert_allclose(per_expert, 0.2, rtol=0.15)
+    np.testing.assert_allclose(update[0], orthogonal_update(g[0], MatrixView(0, 1), 5, 0.2), rtol=1e-5, atol=1e-6)
+
+
+def test_muon_momentum_and_skips_masked_leaves():
+    tx = scale_by_muon({"w": MatrixView()}, momentum=0.9, nesterov=False)
+    params = {"w": jnp.ones((8, 8))}
+    state = tx.init(params)
+    g = jax.random.normal(jax.random.key(3), (8, 8))
+    _, state = tx.update({"w": g}, state, params)
+    np.testing.assert_allclose(state.momentum["w"], 0.1 * g, rtol=1e-6)
+
+
+EXPECTED = {
+    "embedding": ("adamw", True),
+    "final_norm/weight": ("adamw", False),
+    "input_affine/scale": ("adamw", False),
+    "input_affine/bias": ("adamw", False),
+    "layers/1/attn/wq": ("muon", True),
+    "layers/1/attn/wk": ("muon", True),
+    "layers/1/attn/wv_current": ("muon", True),
+    "layers/1/attn/wv_delayed": ("muon", True),
+    "layers/1/attn/wo": ("muon", True),
+    "layers/1/attn/conv_depthwise": ("adamw", True),
+    "layers/1/attn/conv_grouped": ("adamw", True),
+    "layers/1/attn/conv_grouped_bias": ("adamw", False),
+    "layers/1/attn/temperature": ("adamw", False),
+    "layers/1/attn_norm/weight": ("adamw", False),
+    "layers/1/attn_merge/branch/scale": ("adamw", False),
+    "layers/1/mlp_merge/residual/bias": ("adamw", False),
+    "layers/1/moe/router/down": ("muon", True),
+    "layers/1/moe/router/down_bias": ("adamw", False),
+    "layers/1/moe/router/eda_scale": ("adamw", False),
+    "layers/1/moe/router/fc1": ("muon", True),
+    "layers/1/moe/router/out": ("muon", True),
+    "layers/1/moe/router/norm/weight": ("adamw", False),
+    "layers/1/moe/experts/gate": ("muon", True),
+    "layers/1/moe/experts/up": ("muon", True),
+    "layers/1/moe/experts/down": ("muon", True),
+}
+
+
+def test_partition_puts_each_parameter_where_the_recipe_says():
+    paths = model_def(preset("tiny")).param_axes
+    for path in paths:  # every parameter has a rule
+        rule_for(path)
+    for path, (optimizer, decay) in EXPECTED.items():
+        assert path in paths
+        rule = rule_for(path)
+        assert (rule.optimizer, rule.decay) == (optimizer, decay), path
+    assert rule_for("layers/0/moe/experts/down").view == MatrixView(1, 1)
+    assert rule_for("layers/0/attn/wo").view == MatrixView(0, 2)
+    with pytest.raises(ZayaError, match="no optimizer rule"):
+        rule_for("layers/0/attn/mystery")
+
+
+def test_optimizer_applies_muon_and_adamw_per_partition():
+    optim = base_config().optim
+    optim.unlock()
+    optim.update(clip_norm=0.0, weight_decay=0.0, warmup_steps=0)
+    params = {"layers/0/attn/wq": jnp.zeros((16, 2, 8)), "final_norm/weight": jnp.zeros((16,))}
+    tx, schedule = build_optimizer(optim, 10, params)
+    grads = {"layers/0/attn/wq": jax.random.normal(jax.random.key(4), (16, 2, 8)),
+             "final_norm/weight": jax.random.normal(jax.random.key(5), (16,))}
+    updates, _ = tx.update(grads, tx.init(params), params)
+    lr = float(schedule(0))
+    # AdamW's first update is -lr·sign(g); Muon's has RMS lr·0.2.
+    np.testing.assert_allclose(updates["final_norm/weight"], -lr * np.sign(grads["final_norm/weight"]), rtol=1e-4)
+    np.testing.assert_allclose(float(jnp.sqrt(jnp.mean(updates["layers/0/attn/wq"] ** 2))), 0.2 * lr, rtol=0.15)
+
+
+def test_schedule_warmup_then_cosine():
+    optim = base_config().optim
+    optim.unlock()
+    optim.update(lr=1.0, min_lr=0.1, warmup_steps=10, decay_steps=0)
+    schedule = learning_rate_schedule(optim, total_steps=110)
+    assert float(schedule(0)) == 0.0 and abs(float(schedule(5)) - 0.5) < 1e-6
+    assert abs(float(schedule(10)) - 1.0) < 1e-6 and abs(float(schedule(110)) - 0.1) < 1e-6
+    assert abs(float(schedule(60)) - 0.55) < 1e-6  # cosine midpoint
+
+
+def test_clipping_and_weight_decay_mask():
+    optim = base_config().optim
+    optim.unlock()
+    optim.update(clip_norm=1.0, weight_decay=0.5, warmup_steps=0, lr=1.0, min_lr=1.0, b1=0.0, b2=0.0)
+    params = {"embedding": jnp.ones((4, 4)), "final_norm/weight": jnp.ones((4,))}
+    tx, _ = build_optimizer(optim, 10, params)
+    zero = jax.tree.map(jnp.zeros_like, params)
+    updates, _ = tx.update(zero, tx.init(params), params)
+    np.testing.assert_allclose(updates["embedding"], -0.5 * np.ones((4, 4)), rtol=1e-6)  # decayed
+    np.testing.assert_allclose(updates["final_norm/weight"], 0.0)  # never decayed
+    big = jax.tree.map(lambda p: 100.0 * jnp.ones_like(p), params)
+    clipped = optax.clip_by_global_norm(1.0).update(big, optax.EmptyState())[0]
+    assert abs(float(optax.global_norm(clipped)) - 1.0) < 1e-5

@@ -1,0 +1,82 @@
+"""Compile an experiment's train step for N devices from abstract shapes and report its memory.
+
+Nothing is allocated: the train state and batch are `jax.ShapeDtypeStruct`s with the shardings
+of the run's mesh, so a full-size ZAYA1 step compiles on a laptop for a fake 8-device host (a
+"per-device slice" of a bigger cluster: same per-device shapes as one node of the real run).
+Prints XLA's per-device argument / output / temporary bytes and writes them as JSON.
+
+    python tools/compile_step.py --config=experiments/zaya1_base_phase1.py --devices=8 \\
+        --config.train.global_batch_size=32 --out=benchmarks/compile_zaya1_base_phase1.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+
+def parse_args(argv):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--config", required=True, help="experiment file")
+    parser.add_argument("--devices", type=int, default=8, help="fake CPU devices to compile for (default 8)")
+    parser.add_argument("--out", help="write the report as JSON here")
+    return parser.parse_known_args(argv)
+
+
+def main(argv=None) -> int:
+    args, overrides = parse_args(argv)
+    os.environ["JAX_PLATFORMS"] = "cpu"
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
+                               f" --xla_force_host_platform_device_count={args.devices}").strip()
+    from zaya_jax.errors import ZayaError
+    from zaya_jax.experiment import load_experiment
+    from zaya_jax.train.program import build_program
+
+    try:
+        exp = load_experiment(args.config, overrides)
+        program = build_program(exp)
+    except ZayaError as e:
+        print(f"compile_step: error: {e}", file=sys.stderr)
+        return 2
+    report = compile_report(program)
+    print(format_report(report))
+    if args.out:
+        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+        with open(args.out, "w") as f:
+            json.dump(report, f, indent=2)
+            f.write("\n")
+    return 0
+
+
+def compile_report(program) -> dict:
+    compiled, seconds = program.compile_train_step()
+    mem = compiled.memory_analysis()
+    c = program.exp.config
+    return {
+        "config": program.exp.source,
+        "mesh": {k: int(v) for k, v in program.mesh.shape.items()},
+        "global_batch_size": c.train.global_batch_size, "seq_len": c.train.seq_len,
+        "grad_accum_steps": c.train.grad_accum_steps, "remat": c.train.remat,
+        "compute_dtype": c.model.compute_dtype, "compile_sec": round(seconds, 1),
+        "per_device_bytes": {
+            "arguments": int(mem.argument_size_in_bytes), "outputs": int(mem.output_size_in_bytes),
+            "aliased": int(mem.alias_size_in_bytes), "temporaries": int(mem.temp_size_in_bytes),
+            "total": int(mem.argument_size_in_bytes + mem.output_size_in_bytes - mem.alias_size_in_bytes
+                         + mem.temp_size_in_bytes),
+        },
+    }
+
+
+def format_report(report: dict) -> str:
+    gib = 1024 ** 3
+    rows = [f"compiled {report['config']} in {report['compile_sec']}s for mesh "
+            f"{', '.join(f'{k}={v}' for k, v in report['mesh'].items() if v > 1) or 'one device'}",
+            "per-device memory (XLA memory_analysis):"]
+    rows += [f"  {name:<12} {value / gib:8.2f} GiB" for name, value in report["per_device_bytes"].items()]
+    return "\n".join(rows)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
