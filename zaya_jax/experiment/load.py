@@ -16,6 +16,7 @@ from typing import Any, Iterable
 
 import ml_collections
 
+from zaya_jax import trees
 from zaya_jax.errors import ZayaError
 from zaya_jax.experiment.schema import NULLABLE, base_config
 from zaya_jax.experiment.validate import Experiment, validate
@@ -28,12 +29,13 @@ def load_experiment(path: str, overrides: Iterable[str] = ()) -> Experiment:
     values = flatten(_run_config_file(path).to_dict())
     schema = flatten(base_config().to_dict())
     _check_keys(values, schema, path)
-    for key, text in parse_override_args(list(overrides)):
+    parsed = parse_override_args(list(overrides))
+    for key, text in parsed:
         _check_override_key(key, schema)
         values[key] = parse_value(key, text, schema[key])
     for key, value in values.items():
         check_type(key, value, schema[key], where=path)
-    return validate(unflatten(values), source=path)
+    return validate(unflatten(values), source=f"{path} with overrides" if parsed else path)
 
 
 def _run_config_file(path: str) -> ml_collections.ConfigDict:
@@ -159,22 +161,10 @@ def check_type(key: str, value: Any, default: Any, where: str) -> None:
         raise ZayaError(f"{where}: {key} must be {_type_words(allowed)}, got {value!r} ({type(value).__name__})")
 
 
-def flatten(tree: dict, prefix: str = "") -> dict[str, Any]:
-    out = {}
-    for key, value in tree.items():
-        if isinstance(value, dict):
-            out.update(flatten(value, f"{prefix}{key}."))
-        else:
-            out[f"{prefix}{key}"] = value
-    return out
+def flatten(tree: dict) -> dict[str, Any]:
+    """{'train': {'steps': 1}} → {'train.steps': 1}."""
+    return trees.flatten(tree, sep=".")
 
 
 def unflatten(flat: dict[str, Any]) -> dict:
-    out: dict = {}
-    for key, value in flat.items():
-        node = out
-        *parents, leaf = key.split(".")
-        for p in parents:
-            node = node.setdefault(p, {})
-        node[leaf] = value
-    return out
+    return trees.nest(flat, sep=".")

@@ -14,6 +14,7 @@ from flax import nnx
 
 from zaya_jax.config import ModelConfig
 from zaya_jax.errors import ZayaError
+from zaya_jax.trees import flatten, nest  # noqa: F401  (re-exported: state paths use '/')
 
 
 def path_key(path: tuple) -> str:
@@ -61,26 +62,3 @@ def build_model(cfg: ModelConfig, arrays: Mapping[str, Any], source: str = "chec
             )
         filled.append((path, var.replace(jax.numpy.asarray(value, var.get_value().dtype))))
     return nnx.merge(graphdef, nnx.State.from_flat_path(filled))
-
-
-def nest(flat: Mapping[str, Any]) -> dict:
-    """{'a/b': x} → {'a': {'b': x}} (string keys, as stored on disk)."""
-    out: dict = {}
-    for key, value in flat.items():
-        node = out
-        *parents, leaf = key.split("/")
-        for p in parents:
-            node = node.setdefault(p, {})
-        node[leaf] = value
-    return out
-
-
-def flatten(tree: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
-    out = {}
-    for key, value in tree.items():
-        path = f"{prefix}{key}"
-        if isinstance(value, Mapping):
-            out.update(flatten(value, path + "/"))
-        else:
-            out[path] = value
-    return out

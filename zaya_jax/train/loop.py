@@ -104,8 +104,8 @@ def train(exp: Experiment, workdir: str, devices=None, out=sys.stdout) -> dict:
     started = time.perf_counter()
     workdir = prepare_workdir(workdir)
     c = exp.config
+    program = build_program(exp, devices)  # layout errors first: they are cheap to find
     data = build_data(exp)
-    program = build_program(exp, devices)
     hardware = device_profile(c.train.hardware, program.mesh.devices.flat[0])
     flops = flops_lib.training_flops_per_token(exp.model, c.train.seq_len)
     _banner(out, exp, program, data, workdir, hardware)

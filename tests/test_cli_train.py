@@ -1,0 +1,84 @@
+"""`zaya train` end to end: a short real run writes metrics, TensorBoard events and a loadable model;
+every bad input is one line on stderr, exit status 2, no traceback."""
+
+import json
+import os
+import struct
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TINY = os.path.join(ROOT, "experiments", "tiny_cpu.py")
+QUICK = ["--config.train.steps=4", "--config.optim.warmup_steps=1", "--config.train.log_every=2",
+         "--config.train.global_batch_size=8", "--config.train.seq_len=32", "--config.model.num_hidden_layers=2",
+         "--config.eval.batches=1", "--config.train.progress=false"]
+
+
+def zaya(*args, devices=1):
+    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}")
+    return subprocess.run([sys.executable, "-m", "zaya_jax", *args], capture_output=True, text=True, env=env,
+                          cwd=ROOT, timeout=600)
+
+
+def test_short_run_writes_metrics_tensorboard_and_model(tmp_path):
+    workdir = tmp_path / "run"
+    result = zaya("train", f"--config={TINY}", f"--workdir={workdir}", *QUICK, "--config.checkpoint.every_steps=2")
+    assert result.returncode == 0, result.stderr
+    assert "metrics.jsonl" in result.stdout and "tensorboard" in result.stdout
+    records = [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
+    train = [r for r in records if "loss" in r]
+    assert [r["step"] for r in train] == [1, 2, 4]
+    for key in ("loss", "lr", "grad_norm", "tokens_per_sec", "mfu", "expert_load", "load_entropy", "load_max"):
+        assert key in train[-1], key
+    assert len(train[-1]["expert_load"]) == 2 and len(train[-1]["expert_load"][0]) == 5  # layers x (E + skip)
+    assert any("eval_loss" in r for r in records)
+    events = list((workdir / "tensorboard").iterdir())
+    assert events and _tensorboard_tags(events[0]) >= {"loss", "lr", "grad_norm", "mfu", "tokens_per_sec"}
+    assert sorted(os.listdir(workdir / "checkpoints")) == ["step_00000002"]
+    import zaya_jax
+    import jax.numpy as jnp
+    model = zaya_jax.load(str(workdir / "model"))
+    assert model(jnp.array([[3, 4, 5]])).shape == (1, 3, 272)
+
+
+def _tensorboard_tags(path):
+    from tensorboardX.proto import event_pb2
+
+    tags, data = set(), path.read_bytes()
+    while data:
+        (length,) = struct.unpack("<Q", data[:8])
+        event = event_pb2.Event.FromString(data[12:12 + length])
+        tags.update(v.tag for v in event.summary.value)
+        data = data[12 + length + 4:]
+    return tags
+
+
+@pytest.mark.parametrize("args, words, devices", [
+    (["--config.train.stepz=3"], "unknown config key (did you mean train.steps?)", 1),
+    (["--config.train.steps=three"], "train.steps takes an integer", 1),
+    (["--config.mesh.data=4"], "needs 4 devices but this run has 2", 2),
+    (["--config.train.global_batch_size=6", "--config.mesh.data=4"], "does not split over the 4 data-parallel", 4),
+    (["--config.data.source=/nonexistent/corpus.txt"], "/nonexistent/corpus.txt", 1),
+    (["--config.data.tokenizer=/nonexistent/tokenizer.json"], "/nonexistent/tokenizer.json", 1),
+], ids=["unknown-key", "mistyped-override", "mesh-vs-devices", "batch-vs-data-axes", "missing-data", "missing-tokenizer"])
+def test_bad_inputs_are_one_line_errors(tmp_path, args, words, devices):
+    result = zaya("train", f"--config={TINY}", f"--workdir={tmp_path / 'w'}", *args, devices=devices)
+    _assert_clean_error(result, words)
+
+
+def test_unwritable_workdir_and_missing_config(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    _assert_clean_error(zaya("train", f"--config={TINY}", f"--workdir={blocker / 'sub'}"), "not writable")
+    _assert_clean_error(zaya("train", f"--config={TINY}", f"--workdir={blocker}"), "is not a directory")
+    _assert_clean_error(zaya("train", "--config=experiments/nope.py", f"--workdir={tmp_path}"), "does not exist")
+
+
+def _assert_clean_error(result, words):
+    assert result.returncode == 2, (result.returncode, result.stderr)
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("zaya: error:"), result.stderr
+    assert words in lines[0], lines[0]
+    assert "Traceback" not in result.stderr
