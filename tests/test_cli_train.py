@@ -82,3 +82,10 @@ def _assert_clean_error(result, words):
     assert len(lines) == 1 and lines[0].startswith("zaya: error:"), result.stderr
     assert words in lines[0], lines[0]
     assert "Traceback" not in result.stderr
+
+
+def test_eval_batch_not_split_over_data_axes_fails_before_training(tmp_path):
+    result = zaya("train", f"--config={TINY}", f"--workdir={tmp_path / 'w'}", *QUICK, "--config.mesh.data=2",
+                  "--config.eval.batch_size=3", devices=2)
+    _assert_clean_error(result, "eval.batch_size (3) must be a multiple of the 2 data-parallel devices")
+    assert not (tmp_path / "w" / "metrics.jsonl").exists()

@@ -62,12 +62,12 @@ def _eval_batch_size(program: Program) -> int:
     return size
 
 
-def evaluate(program: Program, eval_step, state, data: TextBatches) -> dict | None:
+def evaluate(program: Program, eval_step, state, data: TextBatches, batch_size: int) -> dict | None:
     c = program.exp.config.eval
     if data.num_eval_rows == 0 or c.batches == 0:
         return None
     loss, tokens = 0.0, 0.0
-    for batch in data.eval_batches(_eval_batch_size(program), c.batches):
+    for batch in data.eval_batches(batch_size, c.batches):
         l, n = jax.device_get(eval_step(state.params, state.biases, program.place_batch(batch, accumulated=False)))
         loss, tokens = loss + float(l), tokens + float(n)
     return {"eval_loss": loss / max(tokens, 1.0), "eval_tokens": tokens}
@@ -105,6 +105,7 @@ def train(exp: Experiment, workdir: str, devices=None, out=sys.stdout) -> dict:
     workdir = prepare_workdir(workdir)
     c = exp.config
     program = build_program(exp, devices)  # layout errors first: they are cheap to find
+    eval_batch_size = _eval_batch_size(program)
     data = build_data(exp)
     hardware = device_profile(c.train.hardware, program.mesh.devices.flat[0])
     flops = flops_lib.training_flops_per_token(exp.model, c.train.seq_len)
@@ -132,7 +133,7 @@ def train(exp: Experiment, workdir: str, devices=None, out=sys.stdout) -> dict:
                 summary["first_loss"] = summary["first_loss"] or record["loss"]
                 summary["last_loss"] = record["loss"]
             if (c.eval.every_steps and done % c.eval.every_steps == 0) or done == c.train.steps:
-                result = evaluate(program, eval_step, state, data)
+                result = evaluate(program, eval_step, state, data, eval_batch_size)
                 if result:
                     writer.write(done, result)
                     bar.note(f"step {done}: held-out loss {result['eval_loss']:.4f}")

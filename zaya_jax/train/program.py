@@ -37,6 +37,7 @@ class Program:
         self.tx, self.schedule = build_optimizer(c.optim, c.train.steps, self.modeldef.param_axes)
         self.balance_tx = balancing.balancer(c.optim.balance_lr, c.optim.balance_b1, c.optim.balance_b2)
         self.step_cfg = StepConfig(remat=c.train.remat, vocab_chunk=c.train.loss_vocab_chunk)
+        self._abstract = jax.eval_shape(self._init)  # traced once: shardings and AOT compile share it
         self.state_shardings = self._state_shardings()
         self._train_step = None
 
@@ -57,7 +58,7 @@ class Program:
         return NamedSharding(self.mesh, PartitionSpec(None, *spec) if accumulated else spec)
 
     def abstract_state(self) -> TrainState:
-        return jax.eval_shape(self._init)
+        return self._abstract
 
     def _init(self) -> TrainState:
         params, biases = init_arrays(self.modeldef.cfg, self.exp.config.train.seed)
@@ -67,7 +68,6 @@ class Program:
         """Optimizer moments follow their parameter's sharding; everything else is replicated."""
         by_param = self.param_shardings()
         shapes = self.modeldef.param_shapes
-        abstract = jax.eval_shape(self._init)
 
         def pick(path, leaf):
             keys = [p.key for p in path if isinstance(p, jax.tree_util.DictKey)]
@@ -76,7 +76,7 @@ class Program:
                     return by_param[key]
             return self.replicated()
 
-        return jax.tree_util.tree_map_with_path(pick, abstract)
+        return jax.tree_util.tree_map_with_path(pick, self._abstract)
 
     def abstract_batch(self) -> dict[str, jax.ShapeDtypeStruct]:
         c = self.exp.config.train

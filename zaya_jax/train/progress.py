@@ -49,8 +49,7 @@ class StepTimer:
             self.steps_timed += steps
             self.time_timed += seconds
         tps = steps * self.tokens_per_step / seconds
-        counts = np.asarray(metrics["expert_counts"])
-        load = counts.astype(np.float64) / np.maximum(counts.sum(-1, keepdims=True), 1)
+        load = np.asarray(metrics["expert_load"], np.float64)
         return {
             "loss": float(metrics["loss"]), "lr": float(metrics["lr"]), "grad_norm": float(metrics["grad_norm"]),
             "tokens_per_sec": tps, "tokens_per_sec_per_device": tps / self.num_devices,

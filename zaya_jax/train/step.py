@@ -85,7 +85,7 @@ def make_train_step(modeldef: ModelDef, tx: optax.GradientTransformation, balanc
         biases, balance_state = balancing.update_biases(state.biases, counts, bias_keys, balance_tx,
                                                         state.balance_state)
         metrics = {"loss": loss_sum / denom, "grad_norm": optax.global_norm(grads), "lr": schedule(state.step),
-                   "tokens": ntok, "expert_counts": counts, **balancing.load_summary(counts)}
+                   "tokens": ntok, "expert_load": balancing.load_fractions(counts), **balancing.load_summary(counts)}
         new_state = TrainState(state.step + 1, params, biases, opt_state, balance_state)
         return new_state, metrics
 
