@@ -1,17 +1,24 @@
-"""Training data: corpora, tokenizers, packing and batches (numpy only, no model)."""
+"""Training data: tokenizers, packing, the Grain pipeline (determinism, shares, resume, mixtures).
+
+Document sources (every file format and its errors) are tested in test_sources.py.
+"""
 
 import json
 
 import numpy as np
 import pytest
 
+import grain
+
 from zaya_jax.data import (
     ByteTokenizer,
+    DataPipeline,
+    DataSettings,
     HFTokenizer,
-    TextBatches,
-    load_documents,
+    PackedRowsIterDataset,
     load_tokenizer,
     pack_documents,
+    parse_mixture,
 )
 from zaya_jax.errors import ZayaError
 
@@ -132,66 +139,9 @@ def test_hf_tokenizer_round_trip(tmp_path):
         load_tokenizer(str(file), eos_id=999)
 
 
-def test_builtin_corpus():
-    docs = load_documents("builtin:python-docs")
-    assert len(docs) > 50 and all(d.strip() for d in docs)
-    assert docs == load_documents("builtin:python-docs")  # stable order
-
-
-def test_file_and_directory_corpora(tmp_path):
-    (tmp_path / "sub").mkdir()
-    (tmp_path / "b.txt").write_text("second doc", encoding="utf-8")
-    (tmp_path / "a.jsonl").write_text(
-        '{"text": "j1"}\n\n{"text": "j2", "id": 3}\n{"text": ""}\n', encoding="utf-8")
-    (tmp_path / "sub" / "c.txt").write_text("nested ü", encoding="utf-8")
-    (tmp_path / "ignored.md").write_text("not data", encoding="utf-8")
-    assert load_documents(str(tmp_path)) == ["j1", "j2", "second doc", "nested ü"]
-    assert load_documents(str(tmp_path / "b.txt")) == ["second doc"]
-    (tmp_path / "c.jsonl").write_text('{"body": "x"}\n', encoding="utf-8")
-    assert load_documents(str(tmp_path / "c.jsonl"), text_field="body") == ["x"]
-
-
-def test_large_txt_is_split_into_paragraph_groups(tmp_path):
-    para = "word " * 2000  # 10 KB
-    text = "\n\n".join(f"{i} {para}" for i in range(150))  # ~1.5 MB
-    (tmp_path / "big.txt").write_text(text, encoding="utf-8")
-    docs = load_documents(str(tmp_path / "big.txt"))
-    assert 15 < len(docs) < 30 and all(len(d) < 80_000 for d in docs)
-    assert "\n\n".join(docs) == text
-
-
 def _write(path, data: bytes):
     path.write_bytes(data)
     return str(path)
-
-
-@pytest.mark.parametrize("name,data,needle", [
-    ("empty.txt", b"", "empty"),
-    ("blank.txt", b"  \n\n ", "empty"),
-    ("bad.txt", b"ok\n\xff\xfe", "byte offset 3"),
-    ("bad.jsonl", b'{"text": "a"}\n{"text": \n', "line 2"),
-    ("nofield.jsonl", b'{"text": "a"}\n{"body": "b"}\n', "line 2"),
-    ("notobj.jsonl", b'["text"]\n', "line 1"),
-    ("numtext.jsonl", b'{"text": 5}\n', "line 1"),
-    ("allempty.jsonl", b'{"text": ""}\n', "no non-empty"),
-    ("data.csv", b"a,b\n", ".jsonl"),
-])
-def test_bad_corpus_inputs(tmp_path, name, data, needle):
-    source = _write(tmp_path / name, data)
-    with pytest.raises(ZayaError, match=needle) as err:
-        load_documents(source)
-    assert source in str(err.value) and "\n" not in str(err.value)
-
-
-def test_bad_corpus_sources(tmp_path):
-    with pytest.raises(ZayaError, match="does not exist") as err:
-        load_documents(str(tmp_path / "missing.txt"))
-    assert "missing.txt" in str(err.value)
-    with pytest.raises(ZayaError, match="builtin:python-docs"):
-        load_documents("builtin:nope")
-    with pytest.raises(ZayaError, match="no .txt or .jsonl") as err:
-        load_documents(str(tmp_path))
-    assert str(tmp_path) in str(err.value)
 
 
 def test_bad_tokenizer_inputs(tmp_path, monkeypatch):
@@ -210,64 +160,154 @@ def test_bad_tokenizer_inputs(tmp_path, monkeypatch):
         load_tokenizer(broken)
 
 
-def _corpus(n=60, seed=0):
+# ---- streaming packing ------------------------------------------------------------------------
+def _stream_rows(docs, seq_len):
+    return PackedRowsIterDataset(grain.MapDataset.source([np.asarray(d, np.int32) for d in docs])
+                                 .to_iter_dataset(), seq_len, eos_id=EOS, pad_id=PAD)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_stream_packing_equals_pack_documents_and_resumes_anywhere(seed):
     rng = np.random.default_rng(seed)
+    seq_len = int(rng.integers(1, 12))
+    docs = _docs(rng.integers(0, 25, size=int(rng.integers(1, 9))).tolist())
+    expected = pack_documents(docs, seq_len, eos_id=EOS, pad_id=PAD)
+    iterator, states, rows = iter(_stream_rows(docs, seq_len)), [], []
+    for row in iterator:
+        rows.append(row)
+        states.append(iterator.get_state())
+    assert len(rows) == expected.num_rows
+    for i, row in enumerate(rows):
+        assert all(np.array_equal(row[k], getattr(expected, k)[i]) for k in row)
+    for i, state in enumerate(states):  # restored after row i, it yields exactly rows i+1...
+        resumed = iter(_stream_rows(docs, seq_len))
+        resumed.set_state(json.loads(json.dumps(state)))
+        rest = list(resumed)
+        assert [r["inputs"].tolist() for r in rest] == [r["inputs"].tolist() for r in rows[i + 1:]]
+
+
+# ---- the pipeline -----------------------------------------------------------------------------
+def _jsonl(path, texts):
+    path.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts), encoding="utf-8")
+    return str(path)
+
+
+def _corpus(tmp_path, n=40, name="c.jsonl", tag="doc"):
+    rng = np.random.default_rng(len(name))
     words = ["alpha", "beta", "gamma", "delta", "eps"]
-    return [f"doc{i} " + " ".join(rng.choice(words, rng.integers(3, 40))) for i in range(n)]
+    texts = [f"<{tag}{i}> " + " ".join(rng.choice(words, rng.integers(3, 30))) for i in range(n)]
+    return _jsonl(tmp_path / name, texts), texts
 
 
-def test_batches_deterministic_and_seeded():
-    docs, tok = _corpus(), ByteTokenizer()
-    a = TextBatches(docs, tok, seq_len=32, seed=1, heldout_fraction=0.1)
-    b = TextBatches(docs, tok, seq_len=32, seed=1, heldout_fraction=0.1)
-    c = TextBatches(docs, tok, seq_len=32, seed=2, heldout_fraction=0.1)
-    for step in (0, 3, 50):
-        for key, value in a.train_batch(step, 8).items():
-            assert np.array_equal(value, b.train_batch(step, 8)[key])
-    assert not np.array_equal(a.train_batch(0, 8)["inputs"], c.train_batch(0, 8)["inputs"])
-    batch = a.train_batch(0, 8)
-    assert set(batch) == {"inputs", "targets", "segment_ids", "positions", "loss_mask"}
-    assert all(v.shape == (8, 32) for v in batch.values())
-    assert a.train_tokens == int(a.train.loss_mask.sum()) > 0
+def _pipeline(source, seed=0, weights="", heldout=0.0, process=(0, 1), seq_len=32):
+    settings = DataSettings(source=source, weights=weights, seq_len=seq_len, seed=seed,
+                            heldout_fraction=heldout, read_threads=2)
+    return DataPipeline(settings, ByteTokenizer(), process_index=process[0], process_count=process[1])
 
 
-def test_epochs_cover_rows_and_reshuffle():
-    data = TextBatches(_corpus(), ByteTokenizer(), seq_len=16, seed=0)
-    n, bs = data.num_train_rows, 7
-    assert data.num_eval_rows == 0 and list(data.eval_batches(4)) == []
-    # Samples 0..3n-1 across batches that straddle epoch boundaries.
-    steps = -(-3 * n // bs)
-    seen = np.concatenate([data.train_batch(s, bs)["inputs"] for s in range(steps)])[: 3 * n]
-    all_rows = sorted(r.tobytes() for r in data.train.inputs)
-    epochs = seen.reshape(3, n, -1)
-    for e in epochs:
-        assert sorted(r.tobytes() for r in e) == all_rows  # each epoch visits every row once
-    assert not np.array_equal(epochs[0], epochs[1]) and not np.array_equal(epochs[1], epochs[2])
+def _documents_in(batches, tok=ByteTokenizer()):
+    """Rebuild the token stream from consecutive rows (they overlap by one) and split it at eos."""
+    first = batches[0]["inputs"][0, 0]
+    stream = np.concatenate([[first]] + [b["targets"][i] for b in batches for i in range(len(b["targets"]))])
+    text = tok.decode(np.where(stream == EOS, ord("\n") + 3, stream))
+    return text.split("\n")
 
 
-def test_fewer_rows_than_batch_wraps():
-    data = TextBatches(["tiny doc"], ByteTokenizer(), seq_len=4, seed=0)
-    assert data.num_train_rows == 2  # 8 bytes + eos = 8 targets
-    batch = data.train_batch(0, 10)
-    assert sorted(batch["inputs"][:2].tolist()) == sorted(data.train.inputs.tolist())
-    assert batch["inputs"].shape == (10, 4)
-    with pytest.raises(ZayaError, match="no training rows"):
-        TextBatches(["", ""], ByteTokenizer(), seq_len=4)
+def test_same_seed_same_batches_other_seed_other_order(tmp_path):
+    source, _ = _corpus(tmp_path)
+    take = lambda p: [next(it) for it in [p.train_iterator(4)] for _ in range(12)]  # noqa: E731
+    a, b, c = take(_pipeline(source, seed=1)), take(_pipeline(source, seed=1)), take(_pipeline(source, seed=2))
+    assert all(np.array_equal(x[k], y[k]) for x, y in zip(a, b) for k in x)
+    assert not all(np.array_equal(x["inputs"], y["inputs"]) for x, y in zip(a, c))
+    assert set(a[0]) == {"inputs", "targets", "segment_ids", "positions", "loss_mask"}
+    assert all(v.shape == (4, 32) for v in a[0].values())
 
 
-def test_heldout_disjoint_and_eval_batches():
-    docs, tok = _corpus(50), ByteTokenizer()
-    data = TextBatches(docs, tok, seq_len=32, seed=3, heldout_fraction=0.2)
-    train, held = set(data.train_doc_indices.tolist()), set(data.heldout_doc_indices.tolist())
-    assert not train & held and train | held == set(range(50)) and len(held) == 10
-    # Documents begin with a unique "docN" tag: held-out documents never appear in train rows.
-    train_text = tok.decode(data.train.inputs.ravel())
-    assert all(f"doc{i} " not in train_text for i in held)
-    batches = list(data.eval_batches(batch_size=4))
-    assert len(batches) == -(-data.num_eval_rows // 4) and all(b["inputs"].shape == (4, 32) for b in batches)
-    stacked = np.concatenate([b["inputs"] for b in batches])[: data.num_eval_rows]
-    assert np.array_equal(stacked, data.heldout.inputs)
-    padding = np.concatenate([b["loss_mask"] for b in batches])[data.num_eval_rows:]
-    assert padding.sum() == 0
-    assert [b["inputs"].tolist() for b in data.eval_batches(4)] == [b["inputs"].tolist() for b in batches]
-    assert len(list(data.eval_batches(4, max_batches=1))) == 1
+def test_every_epoch_visits_each_document_once_in_a_new_order(tmp_path):
+    source, texts = _corpus(tmp_path, n=30)
+    tokens = sum(len(t) + 1 for t in texts)
+    it = _pipeline(source, seq_len=16).train_iterator(8)
+    batches = [next(it) for _ in range(-(-3 * tokens // (8 * 16)) + 2)]
+    docs = _documents_in(batches)[:90]
+    epochs = [docs[0:30], docs[30:60], docs[60:90]]
+    for epoch in epochs:  # nothing dropped, duplicated or cut: every document whole, once
+        assert sorted(epoch) == sorted(texts)
+    assert epochs[0] != epochs[1] != epochs[2]
+
+
+def test_processes_read_disjoint_shares_that_cover_the_corpus(tmp_path):
+    source, texts = _corpus(tmp_path, n=41)
+    seen = []
+    for p in range(4):
+        pipe = _pipeline(source, process=(p, 4), seq_len=16)
+        share = len(pipe.splits[0][0][p::4])
+        it = pipe.train_iterator(2)
+        seen.append(set(_documents_in([next(it) for _ in range(40)])[:share]))
+    assert all(not (seen[i] & seen[j]) for i in range(4) for j in range(i + 1, 4))
+    assert set().union(*seen) == set(texts)
+
+
+@pytest.mark.parametrize("mixture", [False, True], ids=["one source", "mixture"])
+def test_iterator_state_resumes_mid_epoch_exactly(tmp_path, mixture):
+    a, _ = _corpus(tmp_path, name="a.jsonl", tag="a")
+    b, _ = _corpus(tmp_path, name="b.jsonl", tag="b", n=25)
+    source, weights = (f"{a},{b}", "3,1") if mixture else (a, "")
+    it = _pipeline(source, weights=weights).train_iterator(4)
+    for _ in range(7):  # mid-epoch: 7 x 4 rows of 32 tokens is less than the corpus
+        next(it)
+    state = json.loads(json.dumps(it.get_state()))  # what a checkpoint stores
+    expected = [next(it) for _ in range(10)]
+    resumed = _pipeline(source, weights=weights).train_iterator(4)
+    resumed.set_state(state)
+    got = [next(resumed) for _ in range(10)]
+    assert all(np.array_equal(x[k], y[k]) for x, y in zip(expected, got) for k in x)
+
+
+def test_mixture_follows_its_weights(tmp_path):
+    # Source a's documents hold only "a"s and b's only "b"s, so every row names its source.
+    a = _jsonl(tmp_path / "a.jsonl", ["a" * n for n in range(5, 60)])
+    b = _jsonl(tmp_path / "b.jsonl", ["b" * n for n in range(5, 60)])
+    pipe = _pipeline(f"{a},{b}", weights="0.75,0.25", seq_len=8)
+    counts = {"a": 0, "b": 0}
+    for row in grain.experimental.LimitIterDataset(pipe.train_dataset(1), 800):
+        letters = set(ByteTokenizer().decode(row["inputs"][0]))
+        assert len(letters) == 1
+        counts[letters.pop()] += 1
+    assert abs(counts["a"] / 800 - 0.75) < 0.02
+    assert [m.weight for m in pipe.mixture] == [0.75, 0.25]
+
+
+def test_heldout_documents_never_train_and_eval_batches_are_fixed(tmp_path):
+    source, texts = _corpus(tmp_path, n=50)
+    pipe = _pipeline(source, seed=3, heldout=0.2)
+    train_idx, held_idx = pipe.splits[0]
+    assert len(held_idx) == 10 and not set(train_idx) & set(held_idx)
+    it = pipe.train_iterator(8)
+    trained = set(_documents_in([next(it) for _ in range(60)]))
+    assert not trained & {texts[i] for i in held_idx}
+    batches = list(pipe.eval_batches(batch_size=4))
+    assert all(b["inputs"].shape == (4, 32) for b in batches)
+    assert {d for d in _documents_in(batches) if d.startswith("<")} == {texts[i] for i in held_idx}
+    assert batches[-1]["loss_mask"][-1].sum() == 0  # the tail is padding, never scored
+    assert [b["inputs"].tolist() for b in pipe.eval_batches(4)] == [b["inputs"].tolist() for b in batches]
+    assert len(list(pipe.eval_batches(4, max_batches=1))) == 1
+
+
+@pytest.mark.parametrize("source,weights,needle", [
+    ("a.jsonl,", "", "empty entry"),
+    ("a.jsonl,a.jsonl", "1,1", "twice"),
+    ("a.jsonl,b.jsonl", "", "data.weights is empty"),
+    ("a.jsonl,b.jsonl", "1", "one weight per source"),
+    ("a.jsonl,b.jsonl", "1,x", "not a comma-separated list"),
+    ("a.jsonl,b.jsonl", "1,0", "positive"),
+])
+def test_bad_mixtures(source, weights, needle):
+    with pytest.raises(ZayaError, match=needle):
+        parse_mixture(source, weights)
+
+
+def test_too_few_documents_for_the_processes(tmp_path):
+    source = _jsonl(tmp_path / "two.jsonl", ["one doc", "two doc"])
+    with pytest.raises(ZayaError, match="fewer than the 4 processes") as err:
+        _pipeline(source, process=(0, 4))
+    assert "two.jsonl" in str(err.value)

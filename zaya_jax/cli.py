@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
 
 from zaya_jax.errors import ZayaError
@@ -67,13 +68,15 @@ def _add_train(jobs) -> None:
     train.add_argument("--workdir", required=True, metavar="DIR", help="where metrics, logs and checkpoints go")
 
 
-def run(args: argparse.Namespace, extra: list[str]) -> None:
+def run(args: argparse.Namespace, extra: list[str]) -> int:
     if args.command == "train":
         from zaya_jax.experiment import load_experiment
         from zaya_jax.train.loop import train
 
-        train(load_experiment(args.config, extra), args.workdir)
-        return
+        summary = train(load_experiment(args.config, extra), args.workdir)
+        if summary["stopped_by"]:  # saved and stopped early: tell the scheduler it did not finish
+            return 128 + getattr(signal, summary["stopped_by"]).value
+        return 0
     if extra:
         raise ZayaError(f"unrecognized arguments: {' '.join(extra)}")
     if args.command == "convert":
@@ -85,19 +88,19 @@ def run(args: argparse.Namespace, extra: list[str]) -> None:
         else:
             convert.to_hf(args.ckpt, args.out, args.dtype, args.max_shard_size, progress=not args.quiet)
             print(f"wrote {args.out} ({args.dtype}); load it with transformers.AutoModelForCausalLM.from_pretrained")
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
     args, extra = build_parser().parse_known_args(argv)
     try:
-        run(args, extra)
+        return run(args, extra)
     except ZayaError as e:
         print(f"zaya: error: {e}", file=sys.stderr)
         return e.exit_code
     except KeyboardInterrupt:
         print("zaya: interrupted; no partial output was kept", file=sys.stderr)
         return 130
-    return 0
 
 
 if __name__ == "__main__":

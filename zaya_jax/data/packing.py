@@ -54,6 +54,14 @@ def pack_documents(token_lists, seq_len: int, eos_id: int, pad_id: int = 0) -> P
     return _rows(row_tokens, row_doc[:, :-1], row_doc[:, 1:])
 
 
+def rows_from_stream(tokens: np.ndarray, owners: np.ndarray, seq_len: int, pad_id: int) -> dict[str, np.ndarray]:
+    """One row from up to `seq_len + 1` stream tokens and the document serial of each (padded)."""
+    missing = seq_len + 1 - tokens.size
+    tokens = np.concatenate([tokens, np.full(missing, pad_id, np.int32)])[None]
+    owners = np.concatenate([owners, np.full(missing, -1, np.int64)])[None]
+    return {k: v[0] for k, v in _rows(tokens, owners[:, :-1], owners[:, 1:]).as_dict().items()}
+
+
 def _stream(token_lists, eos_id: int) -> tuple[np.ndarray, np.ndarray]:
     """All tokens with eos after each document, and the document index of every token."""
     # An empty document would be a lone eos whose only "context" is another document: skip it.

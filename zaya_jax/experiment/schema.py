@@ -51,8 +51,10 @@ def _eval() -> dict:
 
 def _checkpoint() -> dict:
     return dict(
-        every_steps=0,  # save the model every N steps (0 = only at the end)
+        every_steps=0,  # save the full train state every N steps (0 = only at the end and on SIGTERM/SIGINT)
         keep=2,  # how many step checkpoints to keep
+        async_save=True,  # write in the background; the loop only waits for the device→host copy
+        resume=True,  # continue from the newest complete checkpoint in WORKDIR/checkpoints
     )
 
 
@@ -79,10 +81,14 @@ def _optim() -> dict:
 
 def _data() -> dict:
     return dict(
-        source="builtin:python-docs",  # builtin:python-docs, a .txt/.jsonl file, or a directory of them
-        text_field="text",  # JSONL field holding the document text
+        # One source or a comma-separated mixture: builtin:python-docs, .txt, .jsonl, .parquet,
+        # .arrayrecord files, or directories of them.
+        source="builtin:python-docs",
+        weights="",  # mixture weights, comma-separated, one per source (share of training rows)
+        text_field="text",  # JSONL field / Parquet column holding the document text
         tokenizer="bytes",  # "bytes" or a path to a Hugging Face tokenizer.json (or its directory)
         heldout_fraction=0.05,  # documents kept out of training for the held-out loss
+        read_threads=4,  # Grain threads reading and tokenizing documents, per source
     )
 
 

@@ -13,6 +13,7 @@ from typing import Any
 import ml_collections
 
 from zaya_jax.config import ModelConfig
+from zaya_jax.data.mixture import parse_mixture
 from zaya_jax.errors import ZayaError
 from zaya_jax.experiment.schema import MESH_AXES, REMAT_POLICIES
 
@@ -107,6 +108,12 @@ def _data(c, model: ModelConfig) -> str | None:
     d = c.data
     if not 0 <= d.heldout_fraction < 1:
         return f"data.heldout_fraction must be in [0, 1), got {d.heldout_fraction}"
+    if d.read_threads < 1:
+        return f"data.read_threads must be at least 1, got {d.read_threads}"
+    try:
+        parse_mixture(d.source, d.weights)
+    except ZayaError as e:
+        return str(e)
     if d.tokenizer == "bytes" and model.vocab_size < BYTE_VOCAB:
         return (f"model.vocab_size ({model.vocab_size}) is too small for the byte tokenizer "
                 f"(needs {BYTE_VOCAB}); raise it or set data.tokenizer to a tokenizer.json")

@@ -1,9 +1,12 @@
-"""The training loop behind `zaya train`: data, init, compile, steps, logging, eval, model saves.
+"""The training loop behind `zaya train`: data, resume or init, compile, steps, logging, eval, saves.
 
 Host work stays off the critical path: the loop only waits for the device at logging steps
 (to read the loss), so steps in between are dispatched back to back. Metrics go to
-`WORKDIR/metrics.jsonl` and TensorBoard (`WORKDIR/tensorboard/`); the model is saved as a
-zaya-jax checkpoint (loadable with `zaya_jax.load`, exportable with `zaya convert to-hf`).
+`WORKDIR/metrics.jsonl` and TensorBoard (`WORKDIR/tensorboard/`). The full train state and the
+data iterator are checkpointed to `WORKDIR/checkpoints/<step>/` every `checkpoint.every_steps`,
+at the end, and on SIGTERM/SIGINT; a run started on a workdir that holds a checkpoint resumes
+from the newest complete one. At the end the model alone is also written to `WORKDIR/model`
+(loadable with `zaya_jax.load`, exportable with `zaya convert to-hf`).
 """
 
 from __future__ import annotations
@@ -16,14 +19,17 @@ import time
 import jax
 import numpy as np
 
-from zaya_jax.data import TextBatches, load_documents, load_tokenizer
+from zaya_jax.data.pipeline import DataPipeline, DataSettings
+from zaya_jax.data.tokenizer import load_tokenizer
 from zaya_jax.errors import ZayaError
 from zaya_jax.experiment import Experiment
 from zaya_jax.parallel.mesh import BATCH_AXES
 from zaya_jax.train import flops as flops_lib
 from zaya_jax.train.metrics_writer import MetricsWriter
 from zaya_jax.train.program import Program, build_program
+from zaya_jax.train.checkpoints import RunCheckpoints, check_compatible, run_meta
 from zaya_jax.train.progress import Progress, StepTimer, device_profile
+from zaya_jax.train.stop_signals import StopSignals
 
 
 def prepare_workdir(workdir: str) -> str:
@@ -43,15 +49,14 @@ def prepare_workdir(workdir: str) -> str:
     return workdir
 
 
-def build_data(exp: Experiment) -> TextBatches:
+def build_data(exp: Experiment) -> DataPipeline:
     d, model = exp.config.data, exp.model
     tokenizer = load_tokenizer(d.tokenizer, eos_id=model.eos_token_id if d.tokenizer != "bytes" else None)
     if tokenizer.vocab_size > model.vocab_size:
         raise ZayaError(f"the tokenizer has {tokenizer.vocab_size} tokens but model.vocab_size is {model.vocab_size}; "
                         "raise model.vocab_size to at least the tokenizer's size")
-    documents = load_documents(d.source, d.text_field)
-    return TextBatches(documents, tokenizer, exp.config.train.seq_len, seed=exp.config.train.seed,
-                       heldout_fraction=d.heldout_fraction)
+    return DataPipeline(DataSettings.from_config(exp.config), tokenizer,
+                        process_index=jax.process_index(), process_count=jax.process_count())
 
 
 def _eval_batch_size(program: Program) -> int:
@@ -62,12 +67,11 @@ def _eval_batch_size(program: Program) -> int:
     return size
 
 
-def evaluate(program: Program, eval_step, state, data: TextBatches, batch_size: int) -> dict | None:
-    c = program.exp.config.eval
-    if data.num_eval_rows == 0 or c.batches == 0:
+def evaluate(program: Program, eval_step, state, batches: list[dict]) -> dict | None:
+    if not batches:
         return None
     loss, tokens = 0.0, 0.0
-    for batch in data.eval_batches(batch_size, c.batches):
+    for batch in batches:
         l, n = jax.device_get(eval_step(state.params, state.biases, program.place_batch(batch, accumulated=False)))
         loss, tokens = loss + float(l), tokens + float(n)
     return {"eval_loss": loss / max(tokens, 1.0), "eval_tokens": tokens}
@@ -93,63 +97,114 @@ def save_model(program: Program, state, path: str) -> None:
     os.replace(tmp, path)
 
 
-def _prune(checkpoint_dir: str, keep: int) -> None:
-    steps = sorted(d for d in os.listdir(checkpoint_dir) if d.startswith("step_") and not d.endswith(".saving"))
-    for old in steps[:-keep]:
-        shutil.rmtree(os.path.join(checkpoint_dir, old), ignore_errors=True)
-
-
 def train(exp: Experiment, workdir: str, devices=None, out=sys.stdout) -> dict:
-    """Run the experiment; returns a summary (first/last loss, eval loss, throughput, wall time)."""
+    """Run (or resume) the experiment; returns a summary (losses, throughput, wall time, stop reason)."""
     started = time.perf_counter()
     workdir = prepare_workdir(workdir)
     c = exp.config
     program = build_program(exp, devices)  # layout errors first: they are cheap to find
     eval_batch_size = _eval_batch_size(program)
     data = build_data(exp)
+    iterator = data.train_iterator(c.train.global_batch_size // jax.process_count())
+    checkpoints = RunCheckpoints(os.path.join(workdir, "checkpoints"), c.checkpoint.keep, c.checkpoint.async_save)
+    try:
+        return _run(exp, program, data, iterator, checkpoints, workdir, eval_batch_size, started, out)
+    finally:
+        checkpoints.close()  # never leave a background save behind
+
+
+def _run(exp, program, data, iterator, checkpoints, workdir, eval_batch_size, started, out) -> dict:
+    c = exp.config
     hardware = device_profile(c.train.hardware, program.mesh.devices.flat[0])
     flops = flops_lib.training_flops_per_token(exp.model, c.train.seq_len)
     _banner(out, exp, program, data, workdir, hardware)
-
-    state = program.init()
-    compiled, compile_sec = program.compile_train_step()
+    meta = run_meta(exp, program.abstract_state(), jax.process_count())
+    state, start = _resume_or_init(program, checkpoints, iterator, meta, out)
+    summary = {"first_loss": None, "last_loss": None, "eval_loss": None, "compile_sec": 0.0,
+               "start_step": start, "stopped_by": None, "workdir": workdir}
+    if start >= c.train.steps:
+        print(f"already trained to step {start} (train.steps = {c.train.steps}); raise train.steps to go on",
+              file=out, flush=True)
+        return _finish(program, state, summary, started, workdir, out, timer=None)
+    compiled, summary["compile_sec"] = program.compile_train_step()
     eval_step = program.jitted_eval_step()
-    print(f"compiled the train step in {compile_sec:.1f}s", file=out, flush=True)
+    print(f"compiled the train step in {summary['compile_sec']:.1f}s", file=out, flush=True)
+    eval_batches = list(data.eval_batches(eval_batch_size, c.eval.batches)) if c.eval.batches else []
 
-    tokens_per_step = c.train.global_batch_size * c.train.seq_len
-    timer = StepTimer(tokens_per_step, flops.total, program.mesh.size, hardware)
-    summary = {"first_loss": None, "last_loss": None, "eval_loss": None, "compile_sec": compile_sec}
-    checkpoint_dir = os.path.join(workdir, "checkpoints")
-    with MetricsWriter(workdir) as writer, Progress(c.train.steps, enabled=c.train.progress) as bar:
-        for step in range(c.train.steps):
-            batch = program.place_batch(data.train_batch(step, c.train.global_batch_size))
-            state, metrics = compiled(state, batch)
+    timer = StepTimer(c.train.global_batch_size * c.train.seq_len, flops.total, program.mesh.size, hardware,
+                      start_step=start)
+    with StopSignals() as stop, MetricsWriter(workdir) as writer, \
+            Progress(c.train.steps, enabled=c.train.progress, initial=start) as bar:
+        for step in range(start, c.train.steps):
+            state, metrics = compiled(state, program.place_batch(next(iterator)))
             done = step + 1
             bar.advance()
-            if done % c.train.log_every == 0 or done == c.train.steps or step == 0:
+            if done % c.train.log_every == 0 or done == c.train.steps or step == start:
                 record = timer.record(jax.device_get(metrics), done)
                 writer.write(done, record)
                 bar.show(record)
                 summary["first_loss"] = summary["first_loss"] or record["loss"]
                 summary["last_loss"] = record["loss"]
             if (c.eval.every_steps and done % c.eval.every_steps == 0) or done == c.train.steps:
-                result = evaluate(program, eval_step, state, data, eval_batch_size)
+                result = evaluate(program, eval_step, state, eval_batches)
                 if result:
                     writer.write(done, result)
                     bar.note(f"step {done}: held-out loss {result['eval_loss']:.4f}")
                     summary["eval_loss"] = result["eval_loss"]
-            if c.checkpoint.every_steps and done % c.checkpoint.every_steps == 0 and done < c.train.steps:
-                os.makedirs(checkpoint_dir, exist_ok=True)
-                save_model(program, state, os.path.join(checkpoint_dir, f"step_{done:08d}"))
-                _prune(checkpoint_dir, c.checkpoint.keep)
+            every = c.checkpoint.every_steps
+            if (every and done % every == 0) or done == c.train.steps or stop.received:
+                blocking = checkpoints.save(done, state, iterator, meta)
+                writer.write(done, {"checkpoint_blocking_sec": blocking, "checkpoint_async": checkpoints.async_save})
+            _write_save_timings(writer, checkpoints)
+            if stop.received:
+                summary["stopped_by"] = stop.name
+                break
+        checkpoints.wait()
+        _write_save_timings(writer, checkpoints)
+    summary["last_step"] = done
+    if summary["stopped_by"]:
+        print(f"stopped by {stop.name} after step {done}; saved {checkpoints.step_dir(done)}. "
+              "Run the same command again to resume.", file=out, flush=True)
+        return summary
+    return _finish(program, state, summary, started, workdir, out, timer)
+
+
+def _resume_or_init(program: Program, checkpoints: RunCheckpoints, iterator, meta: dict, out):
+    """(state, first step): from the newest complete checkpoint if there is one, else fresh."""
+    step = checkpoints.latest_step()
+    if step is None:
+        return program.init(), 0
+    where = checkpoints.step_dir(step)
+    if not program.exp.config.checkpoint.resume:
+        raise ZayaError(f"{checkpoints.directory} already holds checkpoints (newest: step {step}) and "
+                        "checkpoint.resume is False; use a fresh --workdir, or set checkpoint.resume=True")
+    saved = checkpoints.read_meta(step)
+    check_compatible(saved, meta, where)
+    same_data = saved["data"] == meta["data"] and saved["process_count"] == meta["process_count"]
+    state = checkpoints.restore(step, program.placed_abstract_state(), iterator if same_data else None)
+    print(f"resumed from {where} (step {step})", file=out, flush=True)
+    if not same_data:
+        print("  the data settings or process count changed since that checkpoint: the data pipeline "
+              "starts from the beginning of the new settings", file=out, flush=True)
+    return state, step
+
+
+def _write_save_timings(writer: MetricsWriter, checkpoints: RunCheckpoints) -> None:
+    for timing in checkpoints.finished_saves():
+        writer.write(timing.step, {"checkpoint_background_sec": timing.background_sec})
+
+
+def _finish(program, state, summary, started, workdir, out, timer) -> dict:
     final = os.path.join(workdir, "model")
     save_model(program, state, final)
-    summary.update(timer.summary(), wall_sec=time.perf_counter() - started, model_dir=final, workdir=workdir)
-    _report(out, summary, workdir)
+    summary.update(timer.summary() if timer else {"tokens_per_sec": float("nan"), "mfu": None},
+                   wall_sec=time.perf_counter() - started, model_dir=final)
+    if timer:
+        _report(out, summary, workdir)
     return summary
 
 
-def _banner(out, exp: Experiment, program: Program, data: TextBatches, workdir: str, hardware) -> None:
+def _banner(out, exp: Experiment, program: Program, data: DataPipeline, workdir: str, hardware) -> None:
     m, c = exp.model, exp.config
     axes = ", ".join(f"{a}={s}" for a, s in program.mesh.shape.items() if s > 1) or "one device"
     active = flops_lib.matmul_params_per_token(m)
@@ -157,8 +212,7 @@ def _banner(out, exp: Experiment, program: Program, data: TextBatches, workdir: 
     print(f"  model   {m.num_hidden_layers} layers, hidden {m.hidden_size}, {m.num_experts} experts, "
           f"vocab {m.vocab_size}; {active / 1e6:.2f}M active matmul params/token; compute {m.compute_dtype}", file=out)
     print(f"  mesh    {program.mesh.size} {program.mesh.devices.flat[0].platform} device(s): {axes}", file=out)
-    print(f"  data    {c.data.source}: {data.num_train_rows} train rows, {data.num_eval_rows} held-out rows "
-          f"of {c.train.seq_len} tokens", file=out)
+    print(f"  data    {data.describe()}; rows of {c.train.seq_len} tokens", file=out)
     print(f"  steps   {c.train.steps} x {c.train.global_batch_size} sequences "
           f"({c.train.grad_accum_steps} micro-batch(es)); MFU against "
           f"{hardware.name + ' ' + str(hardware.peak_bf16_tflops) + ' TFLOP/s' if hardware else 'an unknown device'}",

@@ -95,12 +95,15 @@ class Program:
         return jax.jit(step, in_shardings=(self.state_shardings, self.batch_sharding()),
                        out_shardings=(self.state_shardings, self.replicated()), donate_argnums=0)
 
+    def placed_abstract_state(self) -> TrainState:
+        """Shapes, dtypes and this mesh's shardings: the target a checkpoint is restored into."""
+        return jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
+                            self.abstract_state(), self.state_shardings)
+
     def compile_train_step(self):
         """AOT-compile the train step from abstract shapes; returns (compiled, seconds)."""
         start = time.perf_counter()
-        abstract = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
-                                self.abstract_state(), self.state_shardings)
-        compiled = self.jitted_train_step().lower(abstract, self.abstract_batch()).compile()
+        compiled = self.jitted_train_step().lower(self.placed_abstract_state(), self.abstract_batch()).compile()
         return compiled, time.perf_counter() - start
 
     def jitted_eval_step(self):
@@ -111,12 +114,16 @@ class Program:
                        out_shardings=self.replicated())
 
     def place_batch(self, batch: dict, accumulated: bool = True) -> dict:
-        """Host numpy batch → global arrays; [B, S] is reshaped to [A, B/A, S] for accumulation."""
+        """This process's rows [b, S] → global arrays; reshaped to [A, b/A, S] for accumulation.
+
+        With several processes each passes its own share and the global batch is their
+        concatenation along the (data-parallel) batch dimension.
+        """
         if accumulated:
             a = self.exp.config.train.grad_accum_steps
             batch = {k: v.reshape(a, v.shape[0] // a, *v.shape[1:]) for k, v in batch.items()}
         sharding = self.batch_sharding(accumulated)
-        return {k: jax.device_put(batch[k], sharding) for k in BATCH_KEYS}
+        return {k: jax.make_array_from_process_local_data(sharding, batch[k]) for k in BATCH_KEYS}
 
 
 def build_program(exp: Experiment, devices=None) -> Program:

@@ -31,13 +31,14 @@ def device_profile(name: str, device) -> hw.HardwareProfile | None:
 class StepTimer:
     """Turns the step's device metrics into a log record with throughput over the last window."""
 
-    def __init__(self, tokens_per_step: int, flops_per_token: float, num_devices: int, profile):
+    def __init__(self, tokens_per_step: int, flops_per_token: float, num_devices: int, profile,
+                 start_step: int = 0):
         self.tokens_per_step = tokens_per_step
         self.flops_per_token = flops_per_token
         self.num_devices = num_devices
         self.profile = profile
         self.start = self.last_time = time.perf_counter()
-        self.last_step = 0
+        self.first_step = self.last_step = start_step
         self.steps_timed = 0
         self.time_timed = 0.0
 
@@ -45,7 +46,7 @@ class StepTimer:
         now = time.perf_counter()
         steps, seconds = step - self.last_step, max(now - self.last_time, 1e-9)
         self.last_step, self.last_time = step, now
-        if step > 1:  # the first step carries one-off start-up work; keep it out of the average
+        if step > self.first_step + 1:  # the first step carries one-off start-up work; keep it out of the average
             self.steps_timed += steps
             self.time_timed += seconds
         tps = steps * self.tokens_per_step / seconds
@@ -73,12 +74,13 @@ class StepTimer:
 class Progress:
     """A tqdm bar (stderr) with loss, throughput and ETA; silent when disabled."""
 
-    def __init__(self, total: int, enabled: bool = True):
+    def __init__(self, total: int, enabled: bool = True, initial: int = 0):
         self.bar = None
         if enabled:
             from tqdm import tqdm
 
-            self.bar = tqdm(total=total, desc="train", unit="step", dynamic_ncols=True, file=sys.stderr)
+            self.bar = tqdm(total=total, initial=initial, desc="train", unit="step", dynamic_ncols=True,
+                            file=sys.stderr)
 
     def advance(self) -> None:
         if self.bar is not None:

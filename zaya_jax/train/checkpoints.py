@@ -1,0 +1,176 @@
+"""Durable runs: the whole train state and the data iterator in Orbax checkpoints.
+
+`WORKDIR/checkpoints/<step>/` holds three items, written by one Orbax `CheckpointManager`:
+* `state` — the `TrainState` (step, params, balancing biases, optimizer and balancer states),
+  saved with each array's sharding and restored into an abstract target built for the *current*
+  mesh, so a run saved on one layout or device count resumes on another;
+* `data` — the Grain iterator state, one JSON file per process (`process_I-of-N.json`);
+* `meta` — JSON: the model config, every state leaf's shape, the seed and the data settings,
+  checked before any array is read so a mismatch is a sentence, not a tensorstore error.
+The train step has no randomness of its own (no dropout), so the RNG state of a run is its seed
+(`meta`) plus the data iterator's position (`data`).
+
+Saves are asynchronous by default: `save()` returns once the arrays are copied off the devices,
+and the writing runs in a background thread. Orbax writes into a temporary directory and renames
+it when complete, so a save cut short by a kill is never taken as the newest checkpoint; such
+leftovers are removed when the next run opens the directory.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import threading
+import time
+
+import grain
+import jax
+import orbax.checkpoint as ocp
+
+from zaya_jax.errors import ZayaError
+
+_META_VERSION = 1
+
+
+@dataclasses.dataclass
+class SaveTiming:
+    step: int
+    blocking_sec: float  # the training loop waited this long
+    background_sec: float | None = None  # started → written and committed
+
+
+class RunCheckpoints:
+    """The checkpoints of one run directory."""
+
+    def __init__(self, directory: str, keep: int, async_save: bool = True):
+        self.directory = os.path.abspath(directory)
+        self._lock = threading.Lock()
+        self._in_flight: SaveTiming | None = None
+        self._finished: list[SaveTiming] = []
+        self._started_at = 0.0
+        options = ocp.CheckpointManagerOptions(
+            max_to_keep=keep, create=True, cleanup_tmp_directories=True,
+            enable_async_checkpointing=async_save,
+            async_options=ocp.AsyncOptions(post_finalization_callback=self._on_written) if async_save else None)
+        handlers = {"state": ocp.StandardCheckpointHandler(), "data": grain.checkpoint.CheckpointHandler(),
+                    "meta": ocp.JsonCheckpointHandler()}
+        try:
+            self._manager = ocp.CheckpointManager(self.directory, options=options, item_handlers=handlers)
+        except (OSError, ValueError) as e:
+            raise ZayaError(f"cannot open the checkpoint directory {self.directory} ({_first_line(e)}); "
+                            "check its permissions or choose another --workdir") from None
+        self.async_save = async_save
+
+    # ---- saving -----------------------------------------------------------------------------
+    def save(self, step: int, state, iterator: grain.DatasetIterator, meta: dict) -> float:
+        """Start saving; returns how long the training loop was blocked (seconds)."""
+        jax.block_until_ready(state)  # the step's own compute is not a checkpoint stall
+        self.wait()  # one save in flight at a time: Orbax would wait here anyway
+        started = time.perf_counter()
+        with self._lock:
+            self._in_flight, self._started_at = SaveTiming(step, 0.0), started
+        args = ocp.args.Composite(state=ocp.args.StandardSave(state),
+                                  data=grain.checkpoint.CheckpointSave(iterator),
+                                  meta=ocp.args.JsonSave({**meta, "step": int(step)}))
+        self._manager.save(step, args=args, force=True)
+        blocking = time.perf_counter() - started
+        with self._lock:
+            self._in_flight.blocking_sec = blocking
+            if not self.async_save:
+                self._in_flight.background_sec = 0.0
+                self._finished.append(self._in_flight)
+                self._in_flight = None
+        return blocking
+
+    def _on_written(self) -> None:  # Orbax's background thread, after the save is complete
+        with self._lock:
+            if self._in_flight is not None:
+                self._in_flight.background_sec = time.perf_counter() - self._started_at
+                self._finished.append(self._in_flight)
+                self._in_flight = None
+
+    def finished_saves(self) -> list[SaveTiming]:
+        """Saves completed since the last call (for metrics)."""
+        with self._lock:
+            done, self._finished = self._finished, []
+        return done
+
+    def wait(self) -> None:
+        self._manager.wait_until_finished()
+
+    def close(self) -> None:
+        self._manager.wait_until_finished()
+        self._manager.close()
+
+    # ---- restoring --------------------------------------------------------------------------
+    def latest_step(self) -> int | None:
+        return self._manager.latest_step()
+
+    def step_dir(self, step: int) -> str:
+        return os.path.join(self.directory, str(step))
+
+    def read_meta(self, step: int) -> dict:
+        try:
+            restored = self._manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))
+        except Exception as e:  # noqa: BLE001 — any failure here means the checkpoint is unreadable
+            raise _damaged(self.step_dir(step), e) from None
+        if not isinstance(restored.meta, dict) or restored.meta.get("version") != _META_VERSION:
+            raise ZayaError(f"checkpoint {self.step_dir(step)} has no zaya-jax metadata; it was not written by "
+                            "`zaya train` (or by another version): use a fresh --workdir")
+        return restored.meta
+
+    def restore(self, step: int, abstract_state, iterator: grain.DatasetIterator | None):
+        """The state placed as `abstract_state` says; the iterator is restored in place if given."""
+        args = {"state": ocp.args.StandardRestore(abstract_state)}
+        if iterator is not None:
+            args["data"] = grain.checkpoint.CheckpointRestore(iterator)
+        try:
+            return self._manager.restore(step, args=ocp.args.Composite(**args)).state
+        except Exception as e:  # noqa: BLE001 — tensorstore, OCDBT and JSON errors all mean "damaged"
+            raise _damaged(self.step_dir(step), e) from None
+
+
+def run_meta(exp, abstract_state, process_count: int) -> dict:
+    """What a checkpoint must agree on with the run that resumes it."""
+    c = exp.config
+    shapes = {jax.tree_util.keystr(path): list(leaf.shape)
+              for path, leaf in jax.tree_util.tree_flatten_with_path(abstract_state)[0]}
+    return {"version": _META_VERSION, "model": dataclasses.asdict(exp.model), "state_shapes": shapes,
+            "seed": int(c.train.seed), "process_count": int(process_count), "data": data_fingerprint(c)}
+
+
+def data_fingerprint(config) -> dict:
+    d, t = config.data, config.train
+    return {"source": d.source, "weights": d.weights, "text_field": d.text_field, "tokenizer": d.tokenizer,
+            "heldout_fraction": float(d.heldout_fraction), "seq_len": int(t.seq_len), "seed": int(t.seed)}
+
+
+def check_compatible(saved: dict, current: dict, where: str) -> None:
+    """Raise if the checkpoint at `where` cannot be restored into the current run's state."""
+    model_diff = [k for k in current["model"] if saved["model"].get(k) != current["model"][k]
+                  and k != "compute_dtype"]
+    if model_diff:
+        k = model_diff[0]
+        raise ZayaError(f"checkpoint {where} holds a different model: model.{k} is {saved['model'].get(k)!r} "
+                        f"there but {current['model'][k]!r} in this config; use the checkpoint's config "
+                        "or a fresh --workdir")
+    missing = sorted(set(current["state_shapes"]) ^ set(saved["state_shapes"]))
+    if missing:
+        raise ZayaError(f"checkpoint {where} holds a different train state ({missing[0]} is in one but not the "
+                        "other; an optimizer setting changed?); use the checkpoint's config or a fresh --workdir")
+    for path, shape in current["state_shapes"].items():
+        if saved["state_shapes"].get(path) != shape:
+            raise ZayaError(f"checkpoint {where} holds a different train state: {path} is "
+                            f"{saved['state_shapes'].get(path)} there but {shape} here (an optimizer "
+                            "setting changed?); use the checkpoint's config or a fresh --workdir")
+
+
+def _damaged(where: str, error: Exception) -> ZayaError:
+    return ZayaError(f"checkpoint {where} could not be read ({_first_line(error)}); it is damaged or incomplete: "
+                     "move it out of the checkpoints directory to resume from the one before it")
+
+
+def _first_line(error: Exception) -> str:
+    text = str(error).strip()
+    line = text.splitlines()[0] if text else type(error).__name__
+    return line if len(line) <= 200 else line[:197] + "..."
