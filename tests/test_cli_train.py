@@ -68,6 +68,21 @@ def test_bad_inputs_are_one_line_errors(tmp_path, args, words, devices):
     _assert_clean_error(result, words)
 
 
+@pytest.mark.parametrize("name, content, words", [
+    ("empty.jsonl", b"", "empty.jsonl is empty"),
+    ("nofield.jsonl", b'{"text": "a document"}\n{"body": "x"}\n', "nofield.jsonl line 2 has no 'text' field"),
+    ("latin1.txt", "caf\u00e9 cr\u00e8me".encode("latin-1"), "latin1.txt is not valid UTF-8"),
+], ids=["empty-file", "jsonl-without-field", "undecodable-bytes"])
+def test_bad_data_files_are_one_line_errors_before_training(tmp_path, name, content, words):
+    data = tmp_path / name
+    data.write_bytes(content)
+    result = zaya("train", f"--config={TINY}", f"--workdir={tmp_path / 'w'}", *QUICK,
+                  f"--config.data.source={data}", "--config.data.heldout_fraction=0")
+    _assert_clean_error(result, words)
+    assert "compiled" not in result.stdout  # found before the compile
+    assert not (tmp_path / "w" / "checkpoints").exists() or not os.listdir(tmp_path / "w" / "checkpoints")
+
+
 def test_unwritable_workdir_and_missing_config(tmp_path):
     blocker = tmp_path / "file"
     blocker.write_text("x")

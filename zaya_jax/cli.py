@@ -56,7 +56,8 @@ config overrides (absl / ml_collections config_flags style), any number of:
   see zaya_jax/experiment/schema.py for every key and its default.
 
 outputs in WORKDIR: metrics.jsonl (one JSON object per logged step), tensorboard/ (event files),
-model/ (the trained model: zaya_jax.load or zaya convert to-hf), checkpoints/ (periodic saves)."""
+model/ (the trained model: zaya_jax.load or zaya convert to-hf), checkpoints/ (the full train state:
+every checkpoint.every_steps, at the end and on SIGTERM/SIGINT; rerun the same command to resume)."""
 
 
 def _add_train(jobs) -> None:

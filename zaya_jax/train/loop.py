@@ -126,6 +126,7 @@ def _run(exp, program, data, iterator, checkpoints, workdir, eval_batch_size, st
         print(f"already trained to step {start} (train.steps = {c.train.steps}); raise train.steps to go on",
               file=out, flush=True)
         return _finish(program, state, summary, started, workdir, out, timer=None)
+    first_batch = next(iterator)  # a bad document near the start fails now, not after the compile
     compiled, summary["compile_sec"] = program.compile_train_step()
     eval_step = program.jitted_eval_step()
     print(f"compiled the train step in {summary['compile_sec']:.1f}s", file=out, flush=True)
@@ -136,7 +137,8 @@ def _run(exp, program, data, iterator, checkpoints, workdir, eval_batch_size, st
     with StopSignals() as stop, MetricsWriter(workdir) as writer, \
             Progress(c.train.steps, enabled=c.train.progress, initial=start) as bar:
         for step in range(start, c.train.steps):
-            state, metrics = compiled(state, program.place_batch(next(iterator)))
+            batch = first_batch if step == start else next(iterator)
+            state, metrics = compiled(state, program.place_batch(batch))
             done = step + 1
             bar.advance()
             if done % c.train.log_every == 0 or done == c.train.steps or step == start:

@@ -1,0 +1,92 @@
+"""How long a checkpoint save stalls training: async versus synchronous saves of the same state.
+
+Trains the same mid-size ZAYA1 (about 80M parameters, ~1 GB of fp32 train state with the
+optimizer moments) twice for a few steps, saving every 2 steps, once with
+`checkpoint.async_save=True` and once with False, and reads `checkpoint_blocking_sec` and
+`checkpoint_background_sec` back from each run's metrics.jsonl. Prints a table and writes
+benchmarks/checkpoint_stall.{json,md}. Ratios are side by side in one run; on CPU the absolute
+numbers describe this machine's memory and disk only.
+
+    python benchmarks/checkpoint_stall.py [--steps 6] [--out benchmarks]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import tempfile
+
+import jax
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+MODEL = {"model.hidden_size": 512, "model.num_hidden_layers": 6, "model.num_attention_heads": 8,
+         "model.num_key_value_heads": 2, "model.head_dim": 64, "model.num_experts": 8,
+         "model.moe_intermediate_size": 1024, "model.router_hidden_size": 64}
+
+
+def run(async_save: bool, steps: int, workdir: str) -> dict:
+    from zaya_jax.experiment import load_experiment
+    from zaya_jax.train.loop import train
+
+    overrides = {**MODEL, "train.steps": steps, "train.global_batch_size": 2, "train.seq_len": 64,
+                 "train.log_every": 1, "train.progress": False, "optim.warmup_steps": 1, "eval.batches": 0,
+                 "checkpoint.every_steps": 2, "checkpoint.keep": 2, "checkpoint.async_save": async_save}
+    exp = load_experiment(os.path.join(ROOT, "experiments", "tiny_cpu.py"),
+                          [f"--config.{k}={v}" for k, v in overrides.items()])
+    with open(os.devnull, "w") as quiet:
+        train(exp, workdir, devices=jax.devices()[:1], out=quiet)
+    records = [json.loads(line) for line in open(os.path.join(workdir, "metrics.jsonl"))]
+    blocking = [r["checkpoint_blocking_sec"] for r in records if "checkpoint_blocking_sec" in r]
+    background = [r["checkpoint_background_sec"] for r in records if "checkpoint_background_sec" in r]
+    step_times = [r["step_time_sec"] for r in records if "step_time_sec" in r][1:]
+    return {"async_save": async_save, "saves": len(blocking), "blocking_sec": blocking,
+            "background_sec": background, "median_blocking_sec": statistics.median(blocking),
+            "median_background_sec": statistics.median(background),
+            "median_step_time_sec": statistics.median(step_times)}
+
+
+def state_bytes(workdir: str) -> int:
+    latest = max((d for d in os.listdir(os.path.join(workdir, "checkpoints")) if d.isdigit()), key=int)
+    path = os.path.join(workdir, "checkpoints", latest, "state")
+    return sum(os.path.getsize(os.path.join(r, f)) for r, _, files in os.walk(path) for f in files)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--out", default=os.path.join(ROOT, "benchmarks"))
+    args = parser.parse_args()
+    results = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for async_save in (True, False):
+            workdir = os.path.join(tmp, "async" if async_save else "sync")
+            results.append(run(async_save, args.steps, workdir))
+            results[-1]["checkpoint_bytes_on_disk"] = state_bytes(workdir)
+    device = jax.devices()[0]
+    report = {"device": f"{device.platform} ({platform.processor() or platform.machine()}, "
+                        f"{os.cpu_count()} cores)", "jax": jax.__version__, "model": MODEL, "runs": results,
+              "blocking_ratio_sync_over_async": results[1]["median_blocking_sec"] / results[0]["median_blocking_sec"]}
+    rows = ["| save | saves | median blocking (s) | median background (s) | median step (s) | on disk (MB) |",
+            "|---|---|---|---|---|---|"]
+    for r in results:
+        rows.append(f"| {'async' if r['async_save'] else 'sync'} | {r['saves']} | {r['median_blocking_sec']:.3f} | "
+                    f"{r['median_background_sec']:.3f} | {r['median_step_time_sec']:.3f} | "
+                    f"{r['checkpoint_bytes_on_disk'] / 1e6:.0f} |")
+    table = "\n".join(rows)
+    print(table)
+    print(f"sync blocks {report['blocking_ratio_sync_over_async']:.1f}x longer than async ({report['device']})")
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "checkpoint_stall.json"), "w") as f:
+        json.dump(report, f, indent=2)
+    with open(os.path.join(args.out, "checkpoint_stall.md"), "w") as f:
+        f.write(f"# Checkpoint stall: async vs sync save\n\n{report['device']}, jax {jax.__version__}; "
+                f"model {MODEL}.\n\n{table}\n\nSync blocks {report['blocking_ratio_sync_over_async']:.1f}x "
+                "longer than async. Generated by `benchmarks/checkpoint_stall.py`.\n")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
