@@ -26,7 +26,7 @@ OVERRIDE_PREFIX = "--config."
 
 def load_experiment(path: str, overrides: Iterable[str] = ()) -> Experiment:
     """The validated experiment from a config file plus command-line overrides."""
-    values = flatten(_run_config_file(path).to_dict())
+    values = flatten(config_from_file(path).to_dict())
     schema = flatten(base_config().to_dict())
     _check_keys(values, schema, path)
     parsed = parse_override_args(list(overrides))
@@ -38,7 +38,11 @@ def load_experiment(path: str, overrides: Iterable[str] = ()) -> Experiment:
     return validate(unflatten(values), source=f"{path} with overrides" if parsed else path)
 
 
-def _run_config_file(path: str) -> ml_collections.ConfigDict:
+def config_from_file(path: str) -> ml_collections.ConfigDict:
+    """The ConfigDict an experiment file's get_config() returns (not yet checked or validated).
+
+    Experiment files call it too, to start from another experiment and change a few values.
+    """
     if not path:
         raise ZayaError("--config is required: pass an experiment file, e.g. --config=experiments/tiny_cpu.py")
     if not os.path.isfile(path):
