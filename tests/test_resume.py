@@ -107,9 +107,9 @@ def test_sigterm_and_sigint_save_then_the_same_command_finishes_the_run(tmp_path
 
 
 # ---- resharded resume (in process, 8 fake devices) -----------------------------------------
-def _exp(workdir_steps, **mesh):
+def _exp(steps, **mesh):
     # One schedule for both lengths: the cosine would otherwise follow train.steps.
-    overrides = RUN + [f"--config.train.steps={workdir_steps}", "--config.optim.decay_steps=8", "--config.mesh.data=1"]
+    overrides = RUN + [f"--config.train.steps={steps}", "--config.optim.decay_steps=8", "--config.mesh.data=1"]
     overrides += [f"--config.mesh.{axis}={size}" for axis, size in mesh.items()]
     return load_experiment(TINY, overrides)
 

@@ -4,6 +4,9 @@ Each document gets an eos appended; the documents form one token stream, cut int
 `seq_len + 1` tokens that overlap by one (inputs row[:-1], targets row[1:]), so every token but
 the very first is a target exactly once. Per row we also emit segment ids, positions and a loss
 mask, all in the layout the model expects (see `zaya_jax.model.segments`).
+
+`pack_documents` packs a whole list at once and is the reference; the training pipeline cuts the
+same rows on the fly from an endless stream (`stream_packing`), through `rows_from_stream`.
 """
 
 from __future__ import annotations
@@ -35,7 +38,7 @@ class PackedRows:
     def num_loss_tokens(self) -> int:
         return int(self.loss_mask.sum())
 
-    def as_dict(self, rows: np.ndarray | slice = slice(None)) -> dict[str, np.ndarray]:
+    def as_dict(self, rows: int | np.ndarray | slice = slice(None)) -> dict[str, np.ndarray]:
         return {f.name: getattr(self, f.name)[rows] for f in dataclasses.fields(self)}
 
 
@@ -59,7 +62,7 @@ def rows_from_stream(tokens: np.ndarray, owners: np.ndarray, seq_len: int, pad_i
     missing = seq_len + 1 - tokens.size
     tokens = np.concatenate([tokens, np.full(missing, pad_id, np.int32)])[None]
     owners = np.concatenate([owners, np.full(missing, -1, np.int64)])[None]
-    return {k: v[0] for k, v in _rows(tokens, owners[:, :-1], owners[:, 1:]).as_dict().items()}
+    return _rows(tokens, owners[:, :-1], owners[:, 1:]).as_dict(0)
 
 
 def _stream(token_lists, eos_id: int) -> tuple[np.ndarray, np.ndarray]:

@@ -84,9 +84,6 @@ class DataPipeline:
         return self._pack(docs)
 
     # ---- held-out ---------------------------------------------------------------------------
-    def heldout_documents(self) -> int:
-        return sum(len(h) for _, h in self.splits)
-
     def eval_batches(self, batch_size: int, max_batches: int | None = None) -> Iterator[dict[str, np.ndarray]]:
         """This process's held-out rows in a fixed order; the last batch is padded (loss mask 0)."""
         if batch_size < 1:

@@ -71,11 +71,11 @@ class _PackedRowsIterator(grain.DatasetIterator):
     def _cut_row(self, need: int) -> dict[str, np.ndarray]:
         tokens, owners, offset = [], [], self._offset
         for serial, (_, doc) in enumerate(self._docs):
-            piece = doc[offset:offset + need - sum(t.size for t in tokens)]
+            piece = doc[offset:offset + need]
             tokens.append(piece)
             owners.append(np.full(piece.size, serial, np.int64))
-            offset = 0
-            if sum(t.size for t in tokens) == need:
+            need, offset = need - piece.size, 0
+            if need == 0:
                 break
         return rows_from_stream(np.concatenate(tokens), np.concatenate(owners), self._seq_len, self._pad_id)
 

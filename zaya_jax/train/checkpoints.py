@@ -27,6 +27,7 @@ import grain
 import jax
 import orbax.checkpoint as ocp
 
+from zaya_jax.data.pipeline import DataSettings
 from zaya_jax.errors import ZayaError
 
 _META_VERSION = 1
@@ -140,9 +141,10 @@ def run_meta(exp, abstract_state, process_count: int) -> dict:
 
 
 def data_fingerprint(config) -> dict:
-    d, t = config.data, config.train
-    return {"source": d.source, "weights": d.weights, "text_field": d.text_field, "tokenizer": d.tokenizer,
-            "heldout_fraction": float(d.heldout_fraction), "seq_len": int(t.seq_len), "seed": int(t.seed)}
+    """The settings that fix which rows the pipeline yields, in which order (not how fast)."""
+    settings = dataclasses.asdict(DataSettings.from_config(config))
+    del settings["read_threads"]
+    return {**settings, "tokenizer": config.data.tokenizer}
 
 
 def check_compatible(saved: dict, current: dict, where: str) -> None:
