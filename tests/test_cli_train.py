@@ -83,6 +83,27 @@ def test_bad_data_files_are_one_line_errors_before_training(tmp_path, name, cont
     assert not (tmp_path / "w" / "checkpoints").exists() or not os.listdir(tmp_path / "w" / "checkpoints")
 
 
+def test_bad_mixture_and_read_threads_are_one_line_errors(tmp_path):
+    run = ("train", f"--config={TINY}", f"--workdir={tmp_path / 'w'}", *QUICK)
+    _assert_clean_error(zaya(*run, "--config.data.source=a.jsonl,b.jsonl", "--config.data.weights=1"),
+                        "data.weights has 1 value(s) but data.source lists 2 source(s)")
+    _assert_clean_error(zaya(*run, "--config.data.read_threads=0"), "data.read_threads must be at least 1")
+
+
+def test_checkpoint_errors_exit_2_with_one_line_and_keep_the_checkpoint(tmp_path):
+    workdir = tmp_path / "w"
+    assert zaya("train", f"--config={TINY}", f"--workdir={workdir}", *QUICK).returncode == 0
+    before = sorted(os.listdir(workdir / "checkpoints" / "4"))
+    other_shape = zaya("train", f"--config={TINY}", f"--workdir={workdir}", *QUICK, "--config.train.steps=6",
+                       "--config.model.hidden_size=64")
+    _assert_clean_error(other_shape, "different model: model.hidden_size is 128 there but 64")
+    manifest = workdir / "checkpoints" / "4" / "meta" / "metadata"
+    manifest.write_bytes(b"{not json")
+    _assert_clean_error(zaya("train", f"--config={TINY}", f"--workdir={workdir}", *QUICK, "--config.train.steps=6"),
+                        str(workdir / "checkpoints" / "4"))
+    assert sorted(os.listdir(workdir / "checkpoints" / "4")) == before
+
+
 def test_unwritable_workdir_and_missing_config(tmp_path):
     blocker = tmp_path / "file"
     blocker.write_text("x")
