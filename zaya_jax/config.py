@@ -13,8 +13,13 @@ import os
 from typing import Any
 
 from zaya_jax.errors import ZayaError
+from zaya_jax.kernels.registry import check_name as check_kernel_name
 
 COMPUTE_DTYPES = ("float32", "bfloat16")
+# Fields that choose how the model is computed, not what it is: they are not in HF's config,
+# and a checkpoint may be resumed with different values.
+COMPUTE_FIELDS = ("compute_dtype", "attention_kernel", "moe_kernel", "norm_kernel")
+KERNEL_FIELDS = {"attention_kernel": "attention", "moe_kernel": "grouped_matmul", "norm_kernel": "rms_norm"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,6 +51,11 @@ class ModelConfig:
     # Not in HF: how we compute. "float32" is the parity policy; "bfloat16" keeps fp32 islands
     # (residual stream, norm statistics, QK norm, router, LM head) and runs matmuls in bf16.
     compute_dtype: str = "float32"
+    # Not in HF: which implementation runs each hot-path kernel (zaya_jax.kernels.registry):
+    # "auto" (the platform default) | "reference" | "xla" | "pallas", and "cudnn" for attention.
+    attention_kernel: str = "auto"
+    moe_kernel: str = "auto"  # the experts' grouped matmul
+    norm_kernel: str = "auto"  # RMSNorm
 
     def __post_init__(self):
         validate(self)
@@ -112,6 +122,8 @@ def validate(cfg: ModelConfig) -> None:
         raise ZayaError("model.tie_word_embeddings must be true: ZAYA1's LM head is the embedding")
     if cfg.compute_dtype not in COMPUTE_DTYPES:
         raise ZayaError(f"model.compute_dtype must be one of {COMPUTE_DTYPES}, got {cfg.compute_dtype!r}")
+    for field, kernel in KERNEL_FIELDS.items():
+        check_kernel_name(kernel, getattr(cfg, field), where=f"model.{field}")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -146,7 +158,7 @@ def preset(name: str, **overrides) -> ModelConfig:
 
 _HF_PLAIN_FIELDS = tuple(
     f.name for f in dataclasses.fields(ModelConfig)
-    if f.name not in ("rope_theta", "partial_rotary_factor", "compute_dtype")
+    if f.name not in ("rope_theta", "partial_rotary_factor") + COMPUTE_FIELDS
 )
 
 

@@ -3,7 +3,8 @@
 Query/key down-projections, two causal convolutions over `[q̃ ‖ k̃]` padded once (so the first
 conv's bias reaches position 0 of the second), q/k mean residuals, fp32 QK L2-norm with a
 per-KV-head linear temperature, partial rotate-half RoPE after the norm, values whose second
-half comes from the previous token, causal GQA attention and the output projection.
+half comes from the previous token, causal GQA attention (the `model.attention_kernel` backend of
+`zaya_jax.kernels.flash_attention`) and the output projection.
 """
 
 from __future__ import annotations
@@ -12,8 +13,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from zaya_jax import kernels
 from zaya_jax.config import ModelConfig
-from zaya_jax.model.attention import causal_attention
 from zaya_jax.model.params import constant, make_param, normal
 from zaya_jax.model.segments import SequenceInfo, shift_right
 
@@ -82,7 +83,8 @@ class CCAttention(nnx.Module):
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
 
         v = self._values(x, seq).reshape(batch, length, nk, d)
-        out = causal_attention(q.astype(dt), k.astype(dt), v, seq.segment_ids)
+        out = kernels.flash_attention(q.astype(dt), k.astype(dt), v, segment_ids=seq.segment_ids,
+                                      backend=cfg.attention_kernel)
         return jnp.einsum("bsnd,ndh->bsh", out, self.wo[...].astype(dt))
 
     def _mean_residuals(self, q_lat: jax.Array, k_lat: jax.Array) -> tuple[jax.Array, jax.Array]:

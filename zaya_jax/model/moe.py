@@ -1,8 +1,8 @@
 """Top-1 SwiGLU experts and the MoE layer (router + experts).
 
-Tokens are sorted by their chosen expert and run through `jax.lax.ragged_dot` (a grouped
-matmul), then unsorted: each expert computes only its own tokens. Skip-class tokens sort to
-the end, past every group, and output zero.
+Tokens are sorted by their chosen expert, run through `zaya_jax.kernels.grouped_matmul` (the
+`model.moe_kernel` backend), then unsorted: each expert computes only its own tokens. Skip-class
+tokens sort to the end, past every group, where the grouped matmul outputs zero.
 """
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from zaya_jax import kernels
 from zaya_jax.config import ModelConfig
 from zaya_jax.model.params import make_param, normal
 from zaya_jax.model.router import Router, Routing
@@ -23,6 +24,7 @@ class Experts(nnx.Module):
         self.gate = make_param(rngs, init, (e, h, i), ("experts", "embed", "mlp"))
         self.up = make_param(rngs, init, (e, h, i), ("experts", "embed", "mlp"))
         self.down = make_param(rngs, init, (e, i, h), ("experts", "mlp", "embed"))
+        self.kernel = cfg.moe_kernel
 
     def __call__(self, x: jax.Array, routing: Routing) -> jax.Array:
         """x: [T, H]; returns weight · down(silu(gate x) ⊙ up x) per token, [T, H] in x's dtype."""
@@ -31,14 +33,15 @@ class Experts(nnx.Module):
         order = jnp.argsort(routing.expert, stable=True)
         sizes = jnp.bincount(routing.expert, length=num_experts + 1)[:num_experts].astype(jnp.int32)
         xs = x[order]
-        gate = jax.lax.ragged_dot(xs, self.gate[...].astype(dt), sizes, preferred_element_type=jnp.float32)
-        up = jax.lax.ragged_dot(xs, self.up[...].astype(dt), sizes, preferred_element_type=jnp.float32)
+        gate = self._matmul(xs, self.gate[...].astype(dt), sizes)
+        up = self._matmul(xs, self.up[...].astype(dt), sizes)
         hidden = (jax.nn.silu(gate) * up).astype(dt)
-        out = jax.lax.ragged_dot(hidden, self.down[...].astype(dt), sizes, preferred_element_type=jnp.float32)
-        weight = routing.weight[order]
-        # Rows past the last group (skip class) are unspecified by ragged_dot: zero them explicitly.
-        out = jnp.where((routing.expert[order] < num_experts)[:, None], out * weight[:, None], 0.0)
+        out = self._matmul(hidden, self.down[...].astype(dt), sizes) * routing.weight[order][:, None]
         return jnp.zeros_like(out).at[order].set(out).astype(dt)
+
+    def _matmul(self, rows, weight, sizes):
+        return kernels.grouped_matmul(rows, weight, sizes, preferred_element_type=jnp.float32,
+                                      backend=self.kernel)
 
 
 class MoE(nnx.Module):

@@ -1,4 +1,5 @@
-"""RMSNorm and ZAYA1's residual scaling `(x + b) * s`, both computed in fp32."""
+"""RMSNorm (through the selected `zaya_jax.kernels.rms_norm` backend) and ZAYA1's residual scaling
+`(x + b) * s`, both computed in fp32."""
 
 from __future__ import annotations
 
@@ -6,23 +7,20 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from zaya_jax import kernels
 from zaya_jax.model.params import constant, make_param
 
 
-def rms_norm(x: jax.Array, weight: jax.Array, eps: float, out_dtype) -> jax.Array:
-    """HF ZayaRMSNorm: fp32 statistics, weight applied, result in `out_dtype`."""
-    x32 = x.astype(jnp.float32)
-    y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
-    return (weight.astype(jnp.float32) * y).astype(out_dtype)
-
-
 class RMSNorm(nnx.Module):
-    def __init__(self, size: int, eps: float, axis_name: str, *, rngs: nnx.Rngs):
+    """HF ZayaRMSNorm: fp32 statistics, weight applied, result in `out_dtype`."""
+
+    def __init__(self, size: int, eps: float, axis_name: str, *, kernel: str = "auto", rngs: nnx.Rngs):
         self.eps = eps
+        self.kernel = kernel
         self.weight = make_param(rngs, constant(1.0), (size,), (axis_name,))
 
     def __call__(self, x: jax.Array, out_dtype=jnp.float32) -> jax.Array:
-        return rms_norm(x, self.weight[...], self.eps, out_dtype)
+        return kernels.rms_norm(x, self.weight[...], eps=self.eps, out_dtype=out_dtype, backend=self.kernel)
 
 
 class Affine(nnx.Module):

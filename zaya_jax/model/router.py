@@ -41,7 +41,7 @@ class Router(nnx.Module):
         self.down_bias = make_param(rngs, constant(0.0), (r,), ("router",))
         # EDA scale exists from the second MoE layer on (HF has no router_states_scale in layer 0).
         self.eda_scale = make_param(rngs, constant(1.0), (r,), ("router",)) if layer > 0 else None
-        self.norm = RMSNorm(r, cfg.rms_norm_eps, "router", rngs=rngs)
+        self.norm = RMSNorm(r, cfg.rms_norm_eps, "router", kernel=cfg.norm_kernel, rngs=rngs)
         self.fc1 = make_param(rngs, init, (r, r), ("router", "router_mlp"))
         self.fc1_bias = make_param(rngs, constant(0.0), (r,), ("router_mlp",))
         self.fc2 = make_param(rngs, init, (r, r), ("router_mlp", "router"))

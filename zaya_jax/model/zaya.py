@@ -23,10 +23,10 @@ from zaya_jax.model.segments import SequenceInfo, sequence_info
 
 class Block(nnx.Module):
     def __init__(self, cfg: ModelConfig, layer: int, *, rngs: nnx.Rngs):
-        self.attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, "embed", rngs=rngs)
+        self.attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, "embed", kernel=cfg.norm_kernel, rngs=rngs)
         self.attn = CCAttention(cfg, rngs=rngs)
         self.attn_merge = ResidualMerge(cfg.hidden_size, rngs=rngs)
-        self.mlp_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, "embed", rngs=rngs)
+        self.mlp_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, "embed", kernel=cfg.norm_kernel, rngs=rngs)
         self.moe = MoE(cfg, layer, rngs=rngs)
         self.mlp_merge = ResidualMerge(cfg.hidden_size, rngs=rngs)
 
@@ -46,7 +46,7 @@ class Zaya(nnx.Module):
                                     ("vocab", "embed"))
         self.input_affine = Affine(cfg.hidden_size, rngs=rngs)
         self.layers = nnx.List([Block(cfg, i, rngs=rngs) for i in range(cfg.num_hidden_layers)])
-        self.final_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, "embed", rngs=rngs)
+        self.final_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, "embed", kernel=cfg.norm_kernel, rngs=rngs)
 
     @property
     def compute_dtype(self):

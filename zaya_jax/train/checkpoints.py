@@ -27,6 +27,7 @@ import grain
 import jax
 import orbax.checkpoint as ocp
 
+from zaya_jax.config import COMPUTE_FIELDS
 from zaya_jax.data.pipeline import DataSettings
 from zaya_jax.errors import ZayaError
 
@@ -150,7 +151,7 @@ def data_fingerprint(config) -> dict:
 def check_compatible(saved: dict, current: dict, where: str) -> None:
     """Raise if the checkpoint at `where` cannot be restored into the current run's state."""
     model_diff = [k for k in current["model"] if saved["model"].get(k) != current["model"][k]
-                  and k != "compute_dtype"]
+                  and k not in COMPUTE_FIELDS]
     if model_diff:
         k = model_diff[0]
         raise ZayaError(f"checkpoint {where} holds a different model: model.{k} is {saved['model'].get(k)!r} "

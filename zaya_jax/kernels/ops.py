@@ -1,0 +1,101 @@
+"""The public kernel entry points: check the arguments, pick the backend, call it.
+
+Each op takes `backend=None` (the platform default from `registry.DEFAULTS`, same as 'auto'),
+`interpret=None` (Pallas interpret mode exactly when there is no GPU) and `blocks=None` (the
+platform's row of `tuning.TABLE`). Non-Pallas backends ignore `interpret` and `blocks`.
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+
+from zaya_jax.kernels import reference, xla_backends
+from zaya_jax.kernels.registry import interpret_mode, resolve
+
+
+def flash_attention(q, k, v, *, segment_ids=None, causal=True, scale=None, backend=None, interpret=None,
+                    blocks=None):
+    """Causal GQA attention: q [B, S, nq, d], k/v [B, S, nk, d] → [B, S, nq, d] in q's dtype.
+
+    Query head i reads KV head i // (nq / nk). `segment_ids` (int32 [B, S]) restricts each query
+    to keys of its own packed document. `scale` defaults to d^-1/2.
+    """
+    _check_attention(q, k, v, segment_ids)
+    backend = resolve("attention", backend)
+    if backend == "pallas":
+        from zaya_jax.kernels import pallas_attention
+
+        return pallas_attention.flash_attention(q, k, v, segment_ids, causal=causal, scale=scale, blocks=blocks,
+                                interpret=interpret_mode(interpret))
+    if backend == "reference":
+        return reference.attention(q, k, v, segment_ids, causal=causal, scale=scale)
+    return xla_backends.attention(q, k, v, segment_ids, causal=causal, scale=scale, implementation=backend)
+
+
+def grouped_matmul(lhs, rhs, group_sizes, *, preferred_element_type=None, backend=None, interpret=None,
+                   blocks=None):
+    """lhs [M, K] (rows sorted by group) × rhs [G, K, N] → [M, N]; rows past sum(group_sizes) are 0."""
+    _check_grouped(lhs, rhs.shape[0], rhs.shape[1], group_sizes)
+    backend = resolve("grouped_matmul", backend)
+    if backend == "pallas":
+        from zaya_jax.kernels import pallas_grouped_matmul as pallas_gmm
+
+        return pallas_gmm.grouped_matmul(lhs, rhs, group_sizes, preferred_element_type=preferred_element_type,
+                                         blocks=blocks, interpret=interpret_mode(interpret))
+    impl = reference if backend == "reference" else xla_backends
+    return impl.grouped_matmul(lhs, rhs, group_sizes, preferred_element_type=preferred_element_type)
+
+
+def grouped_matmul_transposed(lhs, dout, group_sizes, *, num_groups=None, preferred_element_type=None,
+                              backend=None, interpret=None, blocks=None):
+    """The weight gradient of `grouped_matmul`: [G, K, N] with out[g] = lhs[rows of g]ᵀ dout[rows of g]."""
+    num_groups = group_sizes.shape[0] if num_groups is None else num_groups
+    _check_grouped(lhs, num_groups, lhs.shape[1], group_sizes)
+    if dout.ndim != 2 or dout.shape[0] != lhs.shape[0]:
+        raise ValueError(f"dout must be [M, N] with M = {lhs.shape[0]} rows like lhs, got {dout.shape}")
+    backend = resolve("grouped_matmul", backend)
+    if backend == "pallas":
+        from zaya_jax.kernels import pallas_grouped_matmul as pallas_gmm
+
+        return pallas_gmm.grouped_matmul_transposed(
+            lhs, dout, group_sizes, num_groups, preferred_element_type=preferred_element_type, blocks=blocks,
+            interpret=interpret_mode(interpret))
+    impl = reference if backend == "reference" else xla_backends
+    return impl.grouped_matmul_transposed(lhs, dout, group_sizes, num_groups,
+                                          preferred_element_type=preferred_element_type)
+
+
+def rms_norm(x, weight, *, eps, out_dtype=None, backend=None, interpret=None, blocks=None):
+    """weight · x / rms(x) over the last axis, statistics in fp32, result in `out_dtype` (default x's)."""
+    if weight.shape != x.shape[-1:]:
+        raise ValueError(f"weight must have shape {x.shape[-1:]} (x's last axis), got {weight.shape}")
+    backend = resolve("rms_norm", backend)
+    if backend == "pallas":
+        from zaya_jax.kernels import pallas_rms_norm
+
+        return pallas_rms_norm.rms_norm(x, weight, eps=eps, out_dtype=out_dtype, blocks=blocks,
+                           interpret=interpret_mode(interpret))
+    impl = reference if backend == "reference" else xla_backends
+    return impl.rms_norm(x, weight, eps=eps, out_dtype=out_dtype)
+
+
+def _check_attention(q, k, v, segment_ids) -> None:
+    if q.ndim != 4 or k.shape != v.shape or k.ndim != 4:
+        raise ValueError(f"attention wants q [B, S, nq, d] and k, v [B, S, nk, d]; got q {q.shape}, "
+                         f"k {k.shape}, v {v.shape}")
+    if q.shape[:2] != k.shape[:2] or q.shape[3] != k.shape[3]:
+        raise ValueError(f"q {q.shape} and k {k.shape} must agree on batch, sequence and head_dim")
+    if q.shape[2] % k.shape[2]:
+        raise ValueError(f"query heads ({q.shape[2]}) must be a multiple of KV heads ({k.shape[2]})")
+    if segment_ids is not None and (segment_ids.shape != q.shape[:2]
+                                    or not jnp.issubdtype(segment_ids.dtype, jnp.integer)):
+        raise ValueError(f"segment_ids must be integer [B, S] = {q.shape[:2]}, got {segment_ids.dtype} "
+                         f"{segment_ids.shape}")
+
+
+def _check_grouped(lhs, num_groups: int, k: int, group_sizes) -> None:
+    if lhs.ndim != 2 or lhs.shape[1] != k:
+        raise ValueError(f"lhs must be [M, K] with K = {k}, got {lhs.shape}")
+    if group_sizes.shape != (num_groups,) or not jnp.issubdtype(group_sizes.dtype, jnp.integer):
+        raise ValueError(f"group_sizes must be integer [{num_groups}] (one size per group), got "
+                         f"{group_sizes.dtype} {group_sizes.shape}")

@@ -1,0 +1,56 @@
+"""The `xla` and `cudnn` backends: the kernels expressed through XLA's own primitives.
+
+Attention goes through `jax.nn.dot_product_attention` (`implementation='xla'`, or `'cudnn'`
+on NVIDIA); the grouped matmul through `jax.lax.ragged_dot` / `ragged_dot_general`, whose
+transposes XLA derives. RMSNorm has no separate XLA primitive: XLA fuses the reference
+expression, so the `xla` backend is that expression.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from zaya_jax.errors import ZayaError
+from zaya_jax.kernels import reference
+
+
+def attention(q, k, v, segment_ids=None, *, causal=True, scale=None, implementation="xla"):
+    """`reference.attention` through `jax.nn.dot_product_attention`."""
+    mask = None
+    if segment_ids is not None:
+        if implementation == "cudnn":
+            raise ZayaError("the cudnn attention backend has no packed-document (segment_ids) mask here; "
+                            "use the 'pallas' backend for packed sequences")
+        mask = (segment_ids[:, :, None] == segment_ids[:, None, :])[:, None]
+    return jax.nn.dot_product_attention(q, k, v, mask=mask, is_causal=causal, scale=scale,
+                                        implementation=implementation)
+
+
+def grouped_matmul(lhs, rhs, group_sizes, *, preferred_element_type=None):
+    """`reference.grouped_matmul` through `jax.lax.ragged_dot`; rows past the groups are zeroed."""
+    out_dtype = preferred_element_type or lhs.dtype
+    out = jax.lax.ragged_dot(lhs, rhs, group_sizes, preferred_element_type=jnp.float32)
+    return _zero_past_groups(out, group_sizes).astype(out_dtype)
+
+
+def grouped_matmul_transposed(lhs, dout, group_sizes, num_groups: int, *, preferred_element_type=None):
+    """`reference.grouped_matmul_transposed` through `ragged_dot_general` (ragged contraction)."""
+    del num_groups  # implied by group_sizes
+    out_dtype = preferred_element_type or lhs.dtype
+    dims = jax.lax.RaggedDotDimensionNumbers(
+        dot_dimension_numbers=(([0], [0]), ([], [])), lhs_ragged_dimensions=[0], rhs_group_dimensions=[])
+    # Rows past the groups must not contribute: ragged_dot_general leaves them unspecified.
+    live = jnp.arange(lhs.shape[0]) < jnp.sum(group_sizes)
+    lhs = jnp.where(live[:, None], lhs, jnp.zeros((), lhs.dtype))
+    out = jax.lax.ragged_dot_general(lhs, dout.astype(lhs.dtype), group_sizes, dims,
+                                     preferred_element_type=jnp.float32)
+    return out.astype(out_dtype)
+
+
+def _zero_past_groups(out, group_sizes):
+    live = jnp.arange(out.shape[0]) < jnp.sum(group_sizes)
+    return jnp.where(live[:, None], out, jnp.zeros((), out.dtype))
+
+
+rms_norm = reference.rms_norm
