@@ -62,7 +62,10 @@ def _tensorboard_tags(path):
     (["--config.train.global_batch_size=6", "--config.mesh.data=4"], "does not split over the 4 data-parallel", 4),
     (["--config.data.source=/nonexistent/corpus.txt"], "/nonexistent/corpus.txt", 1),
     (["--config.data.tokenizer=/nonexistent/tokenizer.json"], "/nonexistent/tokenizer.json", 1),
-], ids=["unknown-key", "mistyped-override", "mesh-vs-devices", "batch-vs-data-axes", "missing-data", "missing-tokenizer"])
+    (["--config.model.moe_kernel=triton"], "model.moe_kernel must be one of", 1),
+    (["--config.model.attention_kernel=cudnn"], "cudnn attention backend needs an NVIDIA GPU", 1),
+], ids=["unknown-key", "mistyped-override", "mesh-vs-devices", "batch-vs-data-axes", "missing-data", "missing-tokenizer",
+        "unknown-kernel", "cudnn-without-nvidia"])
 def test_bad_inputs_are_one_line_errors(tmp_path, args, words, devices):
     result = zaya("train", f"--config={TINY}", f"--workdir={tmp_path / 'w'}", *args, devices=devices)
     _assert_clean_error(result, words)

@@ -1,0 +1,91 @@
+"""Flash attention: every backend against the plain-jnp reference, values and gradients."""
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from kernel_checks import check_values_and_grads
+from zaya_jax import kernels
+from zaya_jax.kernels import reference
+from zaya_jax.kernels.tuning import AttentionBlocks
+
+
+def _inputs(batch, seq, nq, nk, dim, dtype, doc_prob=None, seed=0):
+    keys = jax.random.split(jax.random.PRNGKey(seed), 4)
+    q = jax.random.normal(keys[0], (batch, seq, nq, dim), dtype)
+    k = jax.random.normal(keys[1], (batch, seq, nk, dim), dtype)
+    v = jax.random.normal(keys[2], (batch, seq, nk, dim), dtype)
+    segments = None
+    if doc_prob is not None:  # a new document starts at each position with this probability
+        segments = jnp.cumsum(jax.random.bernoulli(keys[3], doc_prob, (batch, seq)), axis=1).astype(jnp.int32)
+    return q, k, v, segments
+
+
+def _check(backend, batch, seq, nq, nk, dim, dtype, doc_prob=None, causal=True, blocks=None):
+    q, k, v, segments = _inputs(batch, seq, nq, nk, dim, dtype, doc_prob)
+
+    def kernel(q, k, v):
+        return kernels.flash_attention(q, k, v, segment_ids=segments, causal=causal, backend=backend, blocks=blocks)
+
+    def ref(q, k, v):
+        return reference.attention(q, k, v, segments, causal=causal)
+
+    what = f"{backend} attention B{batch} S{seq} nq{nq} nk{nk} d{dim} {jnp.dtype(dtype).name} docs={doc_prob}"
+    check_values_and_grads(kernel, ref, (q, k, v), (0, 1, 2), dtype, what)
+
+
+@pytest.mark.parametrize("seq,nq,nk,doc_prob", [
+    (64, 4, 4, None),  # GQA ratio 1, whole blocks
+    (50, 4, 2, 0.3),  # ratio 2, odd length, many short documents
+    (37, 8, 2, 0.05),  # ratio 4 (ZAYA1's), odd length, a few documents
+    (70, 4, 1, 0.5),  # MQA, documents of ~2 tokens, padding past two blocks
+])
+def test_pallas_fp32_matches_reference(seq, nq, nk, doc_prob):
+    _check("pallas", 2, seq, nq, nk, 16, jnp.float32, doc_prob)
+
+
+@pytest.mark.parametrize("dim", [64, 128])
+def test_pallas_zaya_head_dims(dim):
+    _check("pallas", 1, 48, 4, 2, dim, jnp.float32, 0.1)
+
+
+def test_pallas_bf16_matches_reference_loosely():
+    _check("pallas", 2, 45, 4, 2, 32, jnp.bfloat16, 0.1)
+
+
+def test_pallas_non_causal_with_segments():
+    _check("pallas", 1, 40, 4, 2, 16, jnp.float32, 0.2, causal=False)
+
+
+def test_pallas_blocks_are_parameters():
+    # Unequal forward/backward blocks, and blocks larger than the sequence (shrunk to fit).
+    _check("pallas", 1, 33, 2, 1, 16, jnp.float32, 0.1,
+           blocks=AttentionBlocks(block_q=16, block_k=32, block_q_bwd=32, block_k_bwd=16))
+    _check("pallas", 1, 20, 2, 2, 16, jnp.float32, None,
+           blocks=AttentionBlocks(block_q=128, block_k=128, block_q_bwd=128, block_k_bwd=128))
+
+
+@pytest.mark.parametrize("doc_prob", [None, 0.2])
+def test_xla_backend_matches_reference(doc_prob):
+    _check("xla", 2, 29, 4, 2, 16, jnp.float32, doc_prob)
+
+
+def test_single_token_documents_attend_to_themselves():
+    q, k, v, _ = _inputs(1, 20, 2, 1, 16, jnp.float32)
+    segments = jnp.arange(20, dtype=jnp.int32)[None]
+    out = kernels.flash_attention(q, k, v, segment_ids=segments, backend="pallas")
+    assert jnp.allclose(out, jnp.repeat(v, 2, axis=2), atol=1e-6)
+
+
+@pytest.mark.skipif(kernels.registry.gpu_vendor() != "cuda", reason="cuDNN attention needs an NVIDIA GPU")
+def test_cudnn_backend_matches_reference():
+    _check("cudnn", 2, 256, 8, 2, 128, jnp.bfloat16)
+
+
+def test_bad_shapes_are_named():
+    q, k, v, _ = _inputs(1, 8, 3, 2, 16, jnp.float32)
+    with pytest.raises(ValueError, match="multiple of KV heads"):
+        kernels.flash_attention(q, k, v)
+    q, k, v, _ = _inputs(1, 8, 4, 2, 16, jnp.float32)
+    with pytest.raises(ValueError, match="segment_ids must be integer"):
+        kernels.flash_attention(q, k, v, segment_ids=jnp.zeros((1, 9), jnp.int32))
