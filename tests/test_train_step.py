@@ -93,3 +93,29 @@ def test_gradient_accumulation_matches_one_big_batch(single):
 def test_remat_policies_do_not_change_the_numbers(single, policy):
     losses, _, _ = _run(_overrides() + [f"--config.train.remat={policy}"], jax.devices()[:1])
     np.testing.assert_allclose(losses, single[0], rtol=1e-5)
+
+
+PALLAS = ["--config.model.attention_kernel=pallas", "--config.model.moe_kernel=pallas",
+          "--config.model.norm_kernel=pallas"]
+
+
+def test_pallas_kernels_run_per_batch_shard_and_train_like_one_device(single):
+    # Pallas kernels (interpret mode here) are opaque to GSPMD on a GPU, so the model shard_maps
+    # them over the batch axes; the run must still match the single-device XLA-kernel run.
+    overrides = _overrides(data=4, fsdp=2) + PALLAS
+    program = build_program(load_experiment(TINY, overrides), devices=jax.devices())
+    hlo = program.jitted_train_step().lower(program.placed_abstract_state(), program.abstract_batch()).as_text()
+    manual = hlo.count("sdy.manual_computation") + hlo.count("SPMDFullToShardShape")  # Shardy or GSPMD lowering
+    assert manual >= 3, "the Pallas kernels are not shard_mapped over the batch axes"
+    losses, params, _ = _run(overrides, jax.devices())
+    ref_losses, ref_params, _ = single
+    np.testing.assert_allclose(losses, ref_losses, rtol=2e-5)
+    for key in ref_params:
+        np.testing.assert_allclose(params[key], ref_params[key], rtol=1e-3, atol=2e-5, err_msg=key)
+
+
+def test_pallas_experts_with_expert_parallelism_are_refused_in_words():
+    from zaya_jax.errors import ZayaError
+
+    with pytest.raises(ZayaError, match="model.moe_kernel=pallas .* use model.moe_kernel=xla or mesh.expert=1"):
+        build_program(load_experiment(TINY, _overrides(expert=2, data=4) + PALLAS), devices=jax.devices())

@@ -15,7 +15,6 @@ import ml_collections
 from zaya_jax.config import preset as model_preset
 from zaya_jax.model.remat import REMAT_POLICIES as _POLICIES
 
-MESH_AXES = ("data", "fsdp", "expert", "tsp", "tensor", "sequence")
 REMAT_POLICIES = tuple(_POLICIES)
 
 # Keys whose value may legitimately be None, with the types allowed otherwise.

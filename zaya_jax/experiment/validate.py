@@ -15,7 +15,8 @@ import ml_collections
 from zaya_jax.config import ModelConfig
 from zaya_jax.data.mixture import parse_mixture
 from zaya_jax.errors import ZayaError
-from zaya_jax.experiment.schema import MESH_AXES, REMAT_POLICIES
+from zaya_jax.experiment.schema import REMAT_POLICIES
+from zaya_jax.parallel.axes import MESH_AXES
 
 # Layouts that arrive with the parallel-layouts work; until then they are refused in words.
 _NOT_YET = ("tsp", "tensor", "sequence")

@@ -17,6 +17,7 @@ from zaya_jax import kernels
 from zaya_jax.config import ModelConfig
 from zaya_jax.model.params import constant, make_param, normal
 from zaya_jax.model.segments import SequenceInfo, shift_right
+from zaya_jax.parallel.batch_map import run_kernel
 
 
 def rope_tables(positions: jax.Array, rotary_dim: int, theta: float) -> tuple[jax.Array, jax.Array]:
@@ -83,9 +84,16 @@ class CCAttention(nnx.Module):
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
 
         v = self._values(x, seq).reshape(batch, length, nk, d)
-        out = kernels.flash_attention(q.astype(dt), k.astype(dt), v, segment_ids=seq.segment_ids,
-                                      backend=cfg.attention_kernel)
+        out = self._attend(q.astype(dt), k.astype(dt), v, seq.segment_ids)
         return jnp.einsum("bsnd,ndh->bsh", out, self.wo[...].astype(dt))
+
+    def _attend(self, q, k, v, segment_ids):
+        backend = self.cfg.attention_kernel
+        if segment_ids is None:
+            return run_kernel("attention", backend, lambda q, k, v: kernels.flash_attention(q, k, v, backend=backend),
+                              (q, k, v))
+        return run_kernel("attention", backend, lambda q, k, v, s: kernels.flash_attention(
+            q, k, v, segment_ids=s, backend=backend), (q, k, v, segment_ids))
 
     def _mean_residuals(self, q_lat: jax.Array, k_lat: jax.Array) -> tuple[jax.Array, jax.Array]:
         """q_res[i] = (q̃[i] + k̃[i // g]) / 2 and k_res[j] = mean of q_res over group j, in fp32."""

@@ -15,6 +15,7 @@ from zaya_jax import kernels
 from zaya_jax.config import ModelConfig
 from zaya_jax.model.params import make_param, normal
 from zaya_jax.model.router import Router, Routing
+from zaya_jax.parallel.batch_map import run_kernel
 
 
 class Experts(nnx.Module):
@@ -29,15 +30,21 @@ class Experts(nnx.Module):
     def __call__(self, x: jax.Array, routing: Routing) -> jax.Array:
         """x: [T, H]; returns weight · down(silu(gate x) ⊙ up x) per token, [T, H] in x's dtype."""
         dt = x.dtype
-        num_experts = self.gate.shape[0]
-        order = jnp.argsort(routing.expert, stable=True)
-        sizes = jnp.bincount(routing.expert, length=num_experts + 1)[:num_experts].astype(jnp.int32)
+        weights = tuple(w[...].astype(dt) for w in (self.gate, self.up, self.down))
+        return run_kernel("grouped_matmul", self.kernel, self._sorted_experts,
+                          (x, routing.expert, routing.weight), weights)
+
+    def _sorted_experts(self, x, expert, weight, gate_w, up_w, down_w):
+        """Sort tokens by expert, grouped matmuls, unsort (on whatever rows this device holds)."""
+        num_experts = gate_w.shape[0]
+        order = jnp.argsort(expert, stable=True)
+        sizes = jnp.bincount(expert, length=num_experts + 1)[:num_experts].astype(jnp.int32)
         xs = x[order]
-        gate = self._matmul(xs, self.gate[...].astype(dt), sizes)
-        up = self._matmul(xs, self.up[...].astype(dt), sizes)
-        hidden = (jax.nn.silu(gate) * up).astype(dt)
-        out = self._matmul(hidden, self.down[...].astype(dt), sizes) * routing.weight[order][:, None]
-        return jnp.zeros_like(out).at[order].set(out).astype(dt)
+        gate = self._matmul(xs, gate_w, sizes)
+        up = self._matmul(xs, up_w, sizes)
+        hidden = (jax.nn.silu(gate) * up).astype(x.dtype)
+        out = self._matmul(hidden, down_w, sizes) * weight[order][:, None]
+        return jnp.zeros_like(out).at[order].set(out).astype(x.dtype)
 
     def _matmul(self, rows, weight, sizes):
         return kernels.grouped_matmul(rows, weight, sizes, preferred_element_type=jnp.float32,

@@ -9,6 +9,7 @@ from flax import nnx
 
 from zaya_jax import kernels
 from zaya_jax.model.params import constant, make_param
+from zaya_jax.parallel.batch_map import run_kernel
 
 
 class RMSNorm(nnx.Module):
@@ -20,7 +21,10 @@ class RMSNorm(nnx.Module):
         self.weight = make_param(rngs, constant(1.0), (size,), (axis_name,))
 
     def __call__(self, x: jax.Array, out_dtype=jnp.float32) -> jax.Array:
-        return kernels.rms_norm(x, self.weight[...], eps=self.eps, out_dtype=out_dtype, backend=self.kernel)
+        def norm(x, weight):
+            return kernels.rms_norm(x, weight, eps=self.eps, out_dtype=out_dtype, backend=self.kernel)
+
+        return run_kernel("rms_norm", self.kernel, norm, (x,), (self.weight[...],))
 
 
 class Affine(nnx.Module):

@@ -15,9 +15,9 @@ from jax.sharding import AxisType, Mesh
 
 from zaya_jax.config import ModelConfig
 from zaya_jax.errors import ZayaError
-from zaya_jax.experiment.schema import MESH_AXES
+from zaya_jax.kernels.registry import resolve as resolve_kernel
+from zaya_jax.parallel.axes import BATCH_AXES, MESH_AXES
 
-BATCH_AXES = ("data", "fsdp", "expert")  # every device on these axes reads different sequences
 
 
 def resolve_axis_sizes(requested: dict[str, int], num_devices: int) -> dict[str, int]:
@@ -52,6 +52,9 @@ def check_layout(sizes: dict[str, int], model: ModelConfig, micro_batch: int) ->
             f"use a multiple of {readers}")
     if model.num_experts % sizes["expert"]:
         raise ZayaError(f"model.num_experts ({model.num_experts}) is not divisible by mesh.expert ({sizes['expert']})")
+    if sizes["expert"] > 1 and resolve_kernel("grouped_matmul", model.moe_kernel) == "pallas":
+        raise ZayaError("model.moe_kernel=pallas runs every expert on each device's own tokens, which mesh.expert > 1 "
+                        "(experts sharded over devices) cannot feed yet; use model.moe_kernel=xla or mesh.expert=1")
     if model.hidden_size % sizes["fsdp"]:
         raise ZayaError(f"model.hidden_size ({model.hidden_size}) is not divisible by mesh.fsdp ({sizes['fsdp']}): "
                         "FSDP shards the hidden dimension of every weight")

@@ -10,6 +10,7 @@ target mesh without allocating it (see `tools/compile_step.py`).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import time
 
 import jax
@@ -91,9 +92,21 @@ class Program:
         return jax.jit(self._init, out_shardings=self.state_shardings)()
 
     def jitted_train_step(self):
-        step = make_train_step(self.modeldef, self.tx, self.balance_tx, self.schedule, self.step_cfg)
+        step = self._under_mesh(make_train_step(self.modeldef, self.tx, self.balance_tx, self.schedule, self.step_cfg))
         return jax.jit(step, in_shardings=(self.state_shardings, self.batch_sharding()),
                        out_shardings=(self.state_shardings, self.replicated()), donate_argnums=0)
+
+    def _under_mesh(self, fn):
+        """fn traced with this mesh in context, so kernels that GSPMD cannot partition can shard_map
+        themselves over it (`parallel/batch_map.py`)."""
+        mesh = self.mesh.abstract_mesh
+
+        @functools.wraps(fn)
+        def traced(*args):
+            with jax.sharding.use_abstract_mesh(mesh):
+                return fn(*args)
+
+        return traced
 
     def placed_abstract_state(self) -> TrainState:
         """Shapes, dtypes and this mesh's shardings: the target a checkpoint is restored into."""
@@ -107,7 +120,7 @@ class Program:
         return compiled, time.perf_counter() - start
 
     def jitted_eval_step(self):
-        step = make_eval_step(self.modeldef, self.step_cfg)
+        step = self._under_mesh(make_eval_step(self.modeldef, self.step_cfg))
         params_sh = self.state_shardings.params
         biases_sh = self.state_shardings.biases
         return jax.jit(step, in_shardings=(params_sh, biases_sh, self.batch_sharding(accumulated=False)),
