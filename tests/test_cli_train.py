@@ -27,6 +27,7 @@ def test_short_run_writes_metrics_tensorboard_and_model(tmp_path):
     result = zaya("train", f"--config={TINY}", f"--workdir={workdir}", *QUICK, "--config.checkpoint.every_steps=2")
     assert result.returncode == 0, result.stderr
     assert "metrics.jsonl" in result.stdout and "tensorboard" in result.stdout
+    assert "kernels attention xla, experts xla, norm xla" in result.stdout  # CPU defaults, named in the banner
     records = [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
     train = [r for r in records if "loss" in r]
     assert [r["step"] for r in train] == [1, 2, 4]

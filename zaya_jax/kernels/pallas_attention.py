@@ -57,9 +57,12 @@ class _Plan:
             parts.append(q_seg[:, None] == k_seg[None, :])
         return functools.reduce(jnp.logical_and, parts) if parts else None
 
-    def params(self):
-        b = self.blocks
-        return plgpu.CompilerParams(num_warps=b.num_warps, num_stages=b.num_stages)
+    def call(self, kernel, grid, in_specs, args, out_specs, out_shape):
+        return pl.pallas_call(
+            functools.partial(kernel, plan=self), grid=grid, in_specs=in_specs, out_specs=out_specs,
+            out_shape=out_shape, interpret=self.interpret, name=f"zaya{kernel.__name__}",
+            compiler_params=plgpu.CompilerParams(num_warps=self.blocks.num_warps, num_stages=self.blocks.num_stages),
+        )(*args)
 
 
 def flash_attention(q, k, v, segment_ids=None, *, causal=True, scale=None, blocks=None, interpret=False):
@@ -117,27 +120,25 @@ _attention.defvjp(_attention_fwd, _attention_bwd)
 
 
 def _forward(q, k, v, segment_ids, plan: _Plan):
-    batch, seq, nq, dim = q.shape
-    bq = plan.blocks.block_q
-    g = plan.groups
-    q_spec = pl.BlockSpec((None, bq, None, dim), lambda i, b, h: (b, i, h, 0))
-    kv_spec = pl.BlockSpec((None, seq, None, dim), lambda i, b, h: (b, 0, h // g, 0))
-    in_specs, args = [q_spec, kv_spec, kv_spec], [q, k, v]
-    if plan.segments:
-        in_specs += [pl.BlockSpec((None, bq), lambda i, b, h: (b, i)),
-                     pl.BlockSpec((None, seq), lambda i, b, h: (b, 0))]
-        args += [segment_ids, segment_ids]
-    return pl.pallas_call(
-        functools.partial(_forward_kernel, plan=plan),
-        grid=(seq // bq, batch, nq),
-        in_specs=in_specs,
-        out_specs=[q_spec, pl.BlockSpec((None, None, bq), lambda i, b, h: (b, h, i))],
-        out_shape=[jax.ShapeDtypeStruct(q.shape, q.dtype),
-                   jax.ShapeDtypeStruct((batch, nq, seq), jnp.float32)],
-        compiler_params=plan.params(),
-        interpret=plan.interpret,
-        name="zaya_flash_attention_fwd",
-    )(*args)
+    batch, seq, nq, _ = q.shape
+    row, kv, stat, segments = _query_block_specs(plan, q.shape)
+    return plan.call(_forward_kernel, (seq // plan.blocks.block_q, batch, nq),
+                     [row, kv, kv] + segments, [q, k, v] + [segment_ids] * len(segments),
+                     [row, stat], [jax.ShapeDtypeStruct(q.shape, q.dtype),
+                                   jax.ShapeDtypeStruct((batch, nq, seq), jnp.float32)])
+
+
+def _query_block_specs(plan: _Plan, q_shape):
+    """Specs for a grid over (query block, batch, query head): the query rows, their KV head's
+    whole sequence, per-row statistics, and the query/key segment ids (none without segments)."""
+    seq, dim = q_shape[1], q_shape[3]
+    bq, g = plan.blocks.block_q, plan.groups
+    row = pl.BlockSpec((None, bq, None, dim), lambda i, b, h: (b, i, h, 0))
+    kv = pl.BlockSpec((None, seq, None, dim), lambda i, b, h: (b, 0, h // g, 0))
+    stat = pl.BlockSpec((None, None, bq), lambda i, b, h: (b, h, i))
+    segments = [pl.BlockSpec((None, bq), lambda i, b, h: (b, i)),
+                pl.BlockSpec((None, seq), lambda i, b, h: (b, 0))] if plan.segments else []
+    return row, kv, stat, segments
 
 
 def _forward_kernel(*refs, plan: _Plan):
@@ -191,27 +192,12 @@ def _key_steps(plan: _Plan, i):
 
 
 def _backward_dq(q, k, v, segment_ids, dout, lse, delta, plan: _Plan):
-    batch, seq, nq, dim = q.shape
-    bq = plan.blocks.block_q
-    g = plan.groups
-    row_spec = pl.BlockSpec((None, bq, None, dim), lambda i, b, h: (b, i, h, 0))
-    kv_spec = pl.BlockSpec((None, seq, None, dim), lambda i, b, h: (b, 0, h // g, 0))
-    stat_spec = pl.BlockSpec((None, None, bq), lambda i, b, h: (b, h, i))
-    in_specs, args = [row_spec, kv_spec, kv_spec, row_spec, stat_spec, stat_spec], [q, k, v, dout, lse, delta]
-    if plan.segments:
-        in_specs += [pl.BlockSpec((None, bq), lambda i, b, h: (b, i)),
-                     pl.BlockSpec((None, seq), lambda i, b, h: (b, 0))]
-        args += [segment_ids, segment_ids]
-    return pl.pallas_call(
-        functools.partial(_dq_kernel, plan=plan),
-        grid=(seq // bq, batch, nq),
-        in_specs=in_specs,
-        out_specs=row_spec,
-        out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
-        compiler_params=plan.params(),
-        interpret=plan.interpret,
-        name="zaya_flash_attention_dq",
-    )(*args)
+    batch, seq, nq, _ = q.shape
+    row, kv, stat, segments = _query_block_specs(plan, q.shape)
+    return plan.call(_dq_kernel, (seq // plan.blocks.block_q, batch, nq),
+                     [row, kv, kv, row, stat, stat] + segments,
+                     [q, k, v, dout, lse, delta] + [segment_ids] * len(segments),
+                     row, jax.ShapeDtypeStruct(q.shape, q.dtype))
 
 
 def _dq_kernel(*refs, plan: _Plan):
@@ -253,16 +239,8 @@ def _backward_dkv(q, k, v, segment_ids, dout, lse, delta, plan: _Plan):
         in_specs += [pl.BlockSpec((None, seq), lambda j, b, h: (b, 0)),
                      pl.BlockSpec((None, bk), lambda j, b, h: (b, j))]
         args += [segment_ids, segment_ids]
-    return pl.pallas_call(
-        functools.partial(_dkv_kernel, plan=plan),
-        grid=(seq // bk, batch, nk),
-        in_specs=in_specs,
-        out_specs=[kv_spec, kv_spec],
-        out_shape=[jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)],
-        compiler_params=plan.params(),
-        interpret=plan.interpret,
-        name="zaya_flash_attention_dkv",
-    )(*args)
+    return plan.call(_dkv_kernel, (seq // bk, batch, nk), in_specs, args, [kv_spec, kv_spec],
+                     [jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)])
 
 
 def _dkv_kernel(*refs, plan: _Plan):

@@ -41,7 +41,9 @@ def gpu_vendor() -> str | None:
     """'cuda', 'rocm' or None: the default backend's GPU vendor."""
     if platform() != "gpu":
         return None
-    return "rocm" if "rocm" in jax.devices()[0].client.platform_version.lower() else "cuda"
+    client = jax.devices()[0].client
+    names = f"{getattr(client, 'platform_name', '')} {getattr(client, 'platform_version', '')}".lower()
+    return "rocm" if "rocm" in names or "hip" in names else "cuda"
 
 
 def check_name(kernel: str, backend: str, where: str = "backend") -> None:

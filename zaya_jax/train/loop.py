@@ -23,6 +23,7 @@ from zaya_jax.data.pipeline import DataPipeline, DataSettings
 from zaya_jax.data.tokenizer import load_tokenizer
 from zaya_jax.errors import ZayaError
 from zaya_jax.experiment import Experiment
+from zaya_jax.kernels import resolve as resolve_kernel
 from zaya_jax.parallel.mesh import BATCH_AXES
 from zaya_jax.train import flops as flops_lib
 from zaya_jax.train.metrics_writer import MetricsWriter
@@ -213,6 +214,9 @@ def _banner(out, exp: Experiment, program: Program, data: DataPipeline, workdir:
     print(f"zaya train: {exp.source} → {workdir}", file=out)
     print(f"  model   {m.num_hidden_layers} layers, hidden {m.hidden_size}, {m.num_experts} experts, "
           f"vocab {m.vocab_size}; {active / 1e6:.2f}M active matmul params/token; compute {m.compute_dtype}", file=out)
+    print(f"  kernels attention {resolve_kernel('attention', m.attention_kernel)}, experts "
+          f"{resolve_kernel('grouped_matmul', m.moe_kernel)}, norm {resolve_kernel('rms_norm', m.norm_kernel)}",
+          file=out)
     print(f"  mesh    {program.mesh.size} {program.mesh.devices.flat[0].platform} device(s): {axes}", file=out)
     print(f"  data    {data.describe()}; rows of {c.train.seq_len} tokens", file=out)
     print(f"  steps   {c.train.steps} x {c.train.global_batch_size} sequences "
