@@ -65,8 +65,10 @@ def _tensorboard_tags(path):
     (["--config.data.tokenizer=/nonexistent/tokenizer.json"], "/nonexistent/tokenizer.json", 1),
     (["--config.model.moe_kernel=triton"], "model.moe_kernel must be one of", 1),
     (["--config.model.attention_kernel=cudnn"], "cudnn attention backend needs an NVIDIA GPU", 1),
+    (["--config.mesh.expert=2", "--config.mesh.data=1", "--config.model.moe_kernel=pallas"],
+     "use model.moe_kernel=xla or mesh.expert=1", 2),
 ], ids=["unknown-key", "mistyped-override", "mesh-vs-devices", "batch-vs-data-axes", "missing-data", "missing-tokenizer",
-        "unknown-kernel", "cudnn-without-nvidia"])
+        "unknown-kernel", "cudnn-without-nvidia", "pallas-experts-with-expert-axis"])
 def test_bad_inputs_are_one_line_errors(tmp_path, args, words, devices):
     result = zaya("train", f"--config={TINY}", f"--workdir={tmp_path / 'w'}", *args, devices=devices)
     _assert_clean_error(result, words)

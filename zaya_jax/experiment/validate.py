@@ -12,9 +12,10 @@ from typing import Any
 
 import ml_collections
 
-from zaya_jax.config import ModelConfig
+from zaya_jax.config import KERNEL_FIELDS, ModelConfig
 from zaya_jax.data.mixture import parse_mixture
 from zaya_jax.errors import ZayaError
+from zaya_jax.kernels.registry import resolve as resolve_kernel
 from zaya_jax.experiment.schema import REMAT_POLICIES
 from zaya_jax.parallel.axes import MESH_AXES
 
@@ -36,7 +37,7 @@ def validate(values: dict[str, Any], source: str) -> Experiment:
     except ZayaError as e:
         raise ZayaError(f"{source}: {e}") from None
     config = ml_collections.ConfigDict(values)
-    for check in (_train, _eval, _checkpoint, _optim, _data, _mesh):
+    for check in (_train, _eval, _checkpoint, _optim, _data, _mesh, _kernels):
         message = check(config, model)
         if message:
             raise ZayaError(f"{source}: {message}")
@@ -118,6 +119,16 @@ def _data(c, model: ModelConfig) -> str | None:
     if d.tokenizer == "bytes" and model.vocab_size < BYTE_VOCAB:
         return (f"model.vocab_size ({model.vocab_size}) is too small for the byte tokenizer "
                 f"(needs {BYTE_VOCAB}); raise it or set data.tokenizer to a tokenizer.json")
+    return None
+
+
+def _kernels(c, model: ModelConfig) -> str | None:
+    """Each kernel backend must exist on this machine (cudnn needs NVIDIA, pallas is not for TPU)."""
+    for field, kernel in KERNEL_FIELDS.items():
+        try:
+            resolve_kernel(kernel, getattr(model, field))
+        except ZayaError as e:
+            return f"model.{field}: {e}"
     return None
 
 

@@ -102,6 +102,11 @@ class RunCheckpoints:
 
     def close(self) -> None:
         self._manager.wait_until_finished()
+        # Orbax starts a cleanup of stale temporary directories at construction and its close()
+        # does not wait for it; a run that stops early (a bad config) would exit under it.
+        cleanup = getattr(self._manager, "_cleanup_tmp_directory_future", None)
+        if cleanup is not None:
+            cleanup.result()
         self._manager.close()
 
     # ---- restoring --------------------------------------------------------------------------
