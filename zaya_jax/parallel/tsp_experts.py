@@ -1,0 +1,87 @@
+"""TSP experts: top-1 SwiGLU experts whose weight slices circulate in a ring over the `tsp` axis.
+
+Inside `shard_map` over `tsp` (size D), each rank holds its own tokens and, for every expert,
+one slice of the intermediate dimension: gate/up `[E, H, I/D]`, down `[E, I/D, H]`. SwiGLU is
+elementwise over the intermediate dimension, so the output is the sum over slices of
+`down_s(silu(gate_s x) ⊙ up_s x)`. The forward applies the slice it holds to its tokens, passes
+the slice on with `ppermute` and takes the next, D times: no all-reduce, and two slices are
+resident at a time (the one in use and the one arriving).
+
+The backward (`custom_vjp`) runs the ring again: each rank recomputes its tokens' activations
+for the slice it holds, adds that slice's weight-gradient partial to an accumulator that travels
+with the slice, and after D hops every accumulator is home with its owner. Nothing of the ring
+is saved from the forward but the tokens and the rank's own slices.
+
+This module owns the schedule only; the per-slice math is `zaya_jax.kernels.grouped_matmul`
+(with the `pallas` backend, call it under `shard_map(..., check_vma=False)`: Pallas output
+shapes carry no varying-axes annotation).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from zaya_jax import kernels
+
+
+def ring_experts(xs, group_sizes, gate, up, down, *, axis: str, backend: str | None = None):
+    """Σ over the ring of down_s(silu(gate_s xs) ⊙ up_s xs), fp32 [T, H]; call inside shard_map.
+
+    xs: this rank's tokens sorted by expert [T, H]; group_sizes: int32 [E] (rows past them are
+    skipped and output 0); gate/up: this rank's slices [E, H, I/D]; down: [E, I/D, H].
+    """
+    return _ring(xs, group_sizes, gate, up, down, axis, backend)
+
+
+def _slice_output(xs, group_sizes, gate, up, down, backend):
+    def gmm(rows, weight):
+        return kernels.grouped_matmul(rows, weight, group_sizes, preferred_element_type=jnp.float32,
+                                      backend=backend)
+
+    hidden = (jax.nn.silu(gmm(xs, gate)) * gmm(xs, up)).astype(xs.dtype)
+    return gmm(hidden, down)
+
+
+def _pass_on(tree, axis: str):
+    """Send to the next rank on the ring, receive from the previous one."""
+    size = jax.lax.axis_size(axis)
+    return jax.lax.ppermute(tree, axis, [(i, (i + 1) % size) for i in range(size)])
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6))
+def _ring(xs, group_sizes, gate, up, down, axis, backend):
+    out = jnp.zeros((xs.shape[0], down.shape[-1]), jnp.float32)
+    held = (gate, up, down)
+    steps = jax.lax.axis_size(axis)
+    for step in range(steps):  # static: D is a mesh axis size
+        arriving = _pass_on(held, axis) if step < steps - 1 else None  # independent of the matmuls: overlaps
+        out = out + _slice_output(xs, group_sizes, *held, backend)
+        held = arriving
+    return out
+
+
+def _ring_fwd(xs, group_sizes, gate, up, down, axis, backend):
+    return _ring(xs, group_sizes, gate, up, down, axis, backend), (xs, group_sizes, gate, up, down)
+
+
+def _ring_bwd(axis, backend, residuals, dout):
+    xs, group_sizes, gate, up, down = residuals
+    held = (gate, up, down)
+    grads = jax.tree.map(jnp.zeros_like, held)  # travels with the slice it belongs to
+    dxs = jnp.zeros(xs.shape, jnp.float32)
+    steps = jax.lax.axis_size(axis)
+    for step in range(steps):
+        _, pullback = jax.vjp(lambda x, g, u, d: _slice_output(x, group_sizes, g, u, d, backend), xs, *held)
+        dx, *dw = pullback(dout)
+        dxs = dxs + dx.astype(jnp.float32)
+        grads = jax.tree.map(jnp.add, grads, tuple(dw))
+        if step < steps - 1:
+            held = _pass_on(held, axis)
+        grads = _pass_on(grads, axis)  # D hops in all: each accumulator ends at its owner
+    return (dxs.astype(xs.dtype), None, *grads)
+
+
+_ring.defvjp(_ring_fwd, _ring_bwd)
