@@ -5,6 +5,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -22,8 +24,10 @@ def test_small_run_writes_json_and_markdown(tmp_path):
     assert "interpret mode" in (tmp_path / "kernels_small_cpu.md").read_text()
 
 
-def test_unknown_kernel_is_a_one_line_error(tmp_path):
-    result = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "bench_kernels.py"), "--kernels", "matmul",
+@pytest.mark.parametrize("args, words", [(["--kernels", "matmul"], "unknown kernel"),
+                                         (["--iters", "0"], "--iters must be >= 1")])
+def test_bad_flags_are_one_line_errors(tmp_path, args, words):
+    result = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "bench_kernels.py"), *args,
                              "--out", str(tmp_path)], capture_output=True, text=True, timeout=120)
     assert result.returncode == 2
-    assert result.stderr.strip().count("\n") == 0 and "unknown kernel" in result.stderr
+    assert result.stderr.strip().count("\n") == 0 and words in result.stderr

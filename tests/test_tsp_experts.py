@@ -7,7 +7,7 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from kernel_checks import assert_close
-from zaya_jax.kernels import reference
+from zaya_jax.model.moe import by_expert, grouped_swiglu
 from zaya_jax.parallel.tsp_experts import ring_experts
 
 E, H, I, T = 4, 16, 32, 64  # experts, hidden, expert width (I/8 = 4 per rank), tokens (8 per rank)
@@ -26,17 +26,12 @@ def _inputs(seed=0):
 
 
 def _experts(x, expert, weight, gate, up, down, matmul):
-    """Sort by expert, `matmul(xs, sizes, gate, up, down)`, unsort and weight (the MoE layer's shape)."""
-    order = jnp.argsort(expert, stable=True)
-    sizes = jnp.bincount(expert, length=E + 1)[:E].astype(jnp.int32)
-    out = matmul(x[order], sizes, gate, up, down) * weight[order][:, None]
-    return jnp.zeros_like(out).at[order].set(out)
+    """The MoE layer's sort → `matmul(xs, sizes, gate, up, down)` → unsort."""
+    return by_expert(x, expert, weight, E, lambda xs, sizes: matmul(xs, sizes, gate, up, down))
 
 
 def _dense(xs, sizes, gate, up, down):
-    def gmm(rows, w):
-        return reference.grouped_matmul(rows, w, sizes, preferred_element_type=jnp.float32)
-    return gmm(jax.nn.silu(gmm(xs, gate)) * gmm(xs, up), down)
+    return grouped_swiglu(xs, sizes, gate, up, down, "reference")
 
 
 def _tsp(mesh, backend):

@@ -22,7 +22,7 @@ import numpy as np
 
 from zaya_jax.config import ModelConfig
 from zaya_jax.errors import ZayaError
-from zaya_jax.model.state import flatten, nest
+from zaya_jax.trees import flatten, nest
 
 FORMAT_VERSION = 1
 ROOT = "model"

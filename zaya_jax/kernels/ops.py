@@ -26,7 +26,7 @@ def flash_attention(q, k, v, *, segment_ids=None, causal=True, scale=None, backe
         from zaya_jax.kernels import pallas_attention
 
         return pallas_attention.flash_attention(q, k, v, segment_ids, causal=causal, scale=scale, blocks=blocks,
-                                interpret=interpret_mode(interpret))
+                                                interpret=interpret_mode(interpret))
     if backend == "reference":
         return reference.attention(q, k, v, segment_ids, causal=causal, scale=scale)
     return xla_backends.attention(q, k, v, segment_ids, causal=causal, scale=scale, implementation=backend)
@@ -74,7 +74,7 @@ def rms_norm(x, weight, *, eps, out_dtype=None, backend=None, interpret=None, bl
         from zaya_jax.kernels import pallas_rms_norm
 
         return pallas_rms_norm.rms_norm(x, weight, eps=eps, out_dtype=out_dtype, blocks=blocks,
-                           interpret=interpret_mode(interpret))
+                                        interpret=interpret_mode(interpret))
     impl = reference if backend == "reference" else xla_backends
     return impl.rms_norm(x, weight, eps=eps, out_dtype=out_dtype)
 

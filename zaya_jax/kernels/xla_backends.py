@@ -41,8 +41,7 @@ def grouped_matmul_transposed(lhs, dout, group_sizes, num_groups: int, *, prefer
     dims = jax.lax.RaggedDotDimensionNumbers(
         dot_dimension_numbers=(([0], [0]), ([], [])), lhs_ragged_dimensions=[0], rhs_group_dimensions=[])
     # Rows past the groups must not contribute: ragged_dot_general leaves them unspecified.
-    live = jnp.arange(lhs.shape[0]) < jnp.sum(group_sizes)
-    lhs = jnp.where(live[:, None], lhs, jnp.zeros((), lhs.dtype))
+    lhs = _zero_past_groups(lhs, group_sizes)
     out = jax.lax.ragged_dot_general(lhs, dout.astype(lhs.dtype), group_sizes, dims,
                                      preferred_element_type=jnp.float32)
     return out.astype(out_dtype)

@@ -89,11 +89,12 @@ class CCAttention(nnx.Module):
 
     def _attend(self, q, k, v, segment_ids):
         backend = self.cfg.attention_kernel
-        if segment_ids is None:
-            return run_kernel("attention", backend, lambda q, k, v: kernels.flash_attention(q, k, v, backend=backend),
-                              (q, k, v))
-        return run_kernel("attention", backend, lambda q, k, v, s: kernels.flash_attention(
-            q, k, v, segment_ids=s, backend=backend), (q, k, v, segment_ids))
+
+        def attend(q, k, v, segment_ids=None):
+            return kernels.flash_attention(q, k, v, segment_ids=segment_ids, backend=backend)
+
+        batched = (q, k, v) if segment_ids is None else (q, k, v, segment_ids)
+        return run_kernel("attention", backend, attend, batched)
 
     def _mean_residuals(self, q_lat: jax.Array, k_lat: jax.Array) -> tuple[jax.Array, jax.Array]:
         """q_res[i] = (q̃[i] + k̃[i // g]) / 2 and k_res[j] = mean of q_res over group j, in fp32."""

@@ -35,20 +35,29 @@ class Experts(nnx.Module):
                           (x, routing.expert, routing.weight), weights)
 
     def _sorted_experts(self, x, expert, weight, gate_w, up_w, down_w):
-        """Sort tokens by expert, grouped matmuls, unsort (on whatever rows this device holds)."""
-        num_experts = gate_w.shape[0]
-        order = jnp.argsort(expert, stable=True)
-        sizes = jnp.bincount(expert, length=num_experts + 1)[:num_experts].astype(jnp.int32)
-        xs = x[order]
-        gate = self._matmul(xs, gate_w, sizes)
-        up = self._matmul(xs, up_w, sizes)
-        hidden = (jax.nn.silu(gate) * up).astype(x.dtype)
-        out = self._matmul(hidden, down_w, sizes) * weight[order][:, None]
-        return jnp.zeros_like(out).at[order].set(out).astype(x.dtype)
+        """Sort, grouped SwiGLU, unsort (on whatever rows this device holds)."""
+        return by_expert(x, expert, weight, gate_w.shape[0],
+                         lambda xs, sizes: grouped_swiglu(xs, sizes, gate_w, up_w, down_w, self.kernel))
 
-    def _matmul(self, rows, weight, sizes):
-        return kernels.grouped_matmul(rows, weight, sizes, preferred_element_type=jnp.float32,
-                                      backend=self.kernel)
+
+def by_expert(x, expert, weight, num_experts: int, experts_fn):
+    """Sort tokens by expert, `experts_fn(sorted x, group sizes)` → fp32 rows, unsort, scale by the
+    router weight; [T, H] in x's dtype. Skip-class tokens sort past every group."""
+    order = jnp.argsort(expert, stable=True)
+    sizes = jnp.bincount(expert, length=num_experts + 1)[:num_experts].astype(jnp.int32)
+    out = experts_fn(x[order], sizes) * weight[order][:, None]
+    return jnp.zeros_like(out).at[order].set(out).astype(x.dtype)
+
+
+def grouped_swiglu(xs, sizes, gate, up, down, backend):
+    """down(silu(gate xs) ⊙ up xs) per expert group of the sorted rows xs, fp32 [T, H]; rows past
+    the groups are 0. Also the per-slice step of the TSP experts ring (any slice of the width)."""
+
+    def matmul(rows, w):
+        return kernels.grouped_matmul(rows, w, sizes, preferred_element_type=jnp.float32, backend=backend)
+
+    hidden = (jax.nn.silu(matmul(xs, gate)) * matmul(xs, up)).astype(xs.dtype)
+    return matmul(hidden, down)
 
 
 class MoE(nnx.Module):

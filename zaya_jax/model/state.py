@@ -14,7 +14,6 @@ from flax import nnx
 
 from zaya_jax.config import ModelConfig
 from zaya_jax.errors import ZayaError
-from zaya_jax.trees import flatten, nest  # noqa: F401  (re-exported: state paths use '/')
 
 
 def path_key(path: tuple) -> str:

@@ -12,7 +12,7 @@ for the slice it holds, adds that slice's weight-gradient partial to an accumula
 with the slice, and after D hops every accumulator is home with its owner. Nothing of the ring
 is saved from the forward but the tokens and the rank's own slices.
 
-This module owns the schedule only; the per-slice math is `zaya_jax.kernels.grouped_matmul`
+This module owns the schedule only; the per-slice math is `model.moe.grouped_swiglu`
 (with the `pallas` backend, call it under `shard_map(..., check_vma=False)`: Pallas output
 shapes carry no varying-axes annotation).
 """
@@ -24,7 +24,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from zaya_jax import kernels
+from zaya_jax.model.moe import grouped_swiglu
 
 
 def ring_experts(xs, group_sizes, gate, up, down, *, axis: str, backend: str | None = None):
@@ -34,15 +34,6 @@ def ring_experts(xs, group_sizes, gate, up, down, *, axis: str, backend: str | N
     skipped and output 0); gate/up: this rank's slices [E, H, I/D]; down: [E, I/D, H].
     """
     return _ring(xs, group_sizes, gate, up, down, axis, backend)
-
-
-def _slice_output(xs, group_sizes, gate, up, down, backend):
-    def gmm(rows, weight):
-        return kernels.grouped_matmul(rows, weight, group_sizes, preferred_element_type=jnp.float32,
-                                      backend=backend)
-
-    hidden = (jax.nn.silu(gmm(xs, gate)) * gmm(xs, up)).astype(xs.dtype)
-    return gmm(hidden, down)
 
 
 def _pass_on(tree, axis: str):
@@ -58,7 +49,7 @@ def _ring(xs, group_sizes, gate, up, down, axis, backend):
     steps = jax.lax.axis_size(axis)
     for step in range(steps):  # static: D is a mesh axis size
         arriving = _pass_on(held, axis) if step < steps - 1 else None  # independent of the matmuls: overlaps
-        out = out + _slice_output(xs, group_sizes, *held, backend)
+        out = out + grouped_swiglu(xs, group_sizes, *held, backend)
         held = arriving
     return out
 
@@ -74,7 +65,7 @@ def _ring_bwd(axis, backend, residuals, dout):
     dxs = jnp.zeros(xs.shape, jnp.float32)
     steps = jax.lax.axis_size(axis)
     for step in range(steps):
-        _, pullback = jax.vjp(lambda x, g, u, d: _slice_output(x, group_sizes, g, u, d, backend), xs, *held)
+        _, pullback = jax.vjp(lambda x, g, u, d: grouped_swiglu(x, group_sizes, g, u, d, backend), xs, *held)
         dx, *dw = pullback(dout)
         dxs = dxs + dx.astype(jnp.float32)
         grads = jax.tree.map(jnp.add, grads, tuple(dw))
