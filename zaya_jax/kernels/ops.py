@@ -14,22 +14,31 @@ from zaya_jax.kernels.registry import interpret_mode, resolve
 
 
 def flash_attention(q, k, v, *, segment_ids=None, causal=True, scale=None, backend=None, interpret=None,
-                    blocks=None):
+                    blocks=None, kv_segment_ids=None, q_offset=None):
     """Causal GQA attention: q [B, S, nq, d], k/v [B, S, nk, d] → [B, S, nq, d] in q's dtype.
 
     Query head i reads KV head i // (nq / nk). `segment_ids` (int32 [B, S]) restricts each query
     to keys of its own packed document. `scale` defaults to d^-1/2.
+
+    Sequence-sharded form (`reference` and `xla` backends): q holds Sq rows at sequence index
+    `q_offset` + i (int or traced scalar) against Sk keys, `kv_segment_ids` [B, Sk] labels the keys.
     """
-    _check_attention(q, k, v, segment_ids)
+    sharded = q_offset is not None or kv_segment_ids is not None
+    _check_attention(q, k, v, segment_ids, kv_segment_ids, sharded)
     backend = resolve("attention", backend)
+    if sharded and backend == "pallas":
+        raise ValueError("the pallas attention kernel has no query offset yet; use backend 'xla' for "
+                         "sequence-sharded queries")
     if backend == "pallas":
         from zaya_jax.kernels import pallas_attention
 
         return pallas_attention.flash_attention(q, k, v, segment_ids, causal=causal, scale=scale, blocks=blocks,
                                                 interpret=interpret_mode(interpret))
     if backend == "reference":
-        return reference.attention(q, k, v, segment_ids, causal=causal, scale=scale)
-    return xla_backends.attention(q, k, v, segment_ids, causal=causal, scale=scale, implementation=backend)
+        return reference.attention(q, k, v, segment_ids, causal=causal, scale=scale, kv_segment_ids=kv_segment_ids,
+                                   q_offset=0 if q_offset is None else q_offset)
+    return xla_backends.attention(q, k, v, segment_ids, causal=causal, scale=scale, implementation=backend,
+                                  kv_segment_ids=kv_segment_ids, q_offset=q_offset)
 
 
 def grouped_matmul(lhs, rhs, group_sizes, *, preferred_element_type=None, backend=None, interpret=None,
@@ -79,18 +88,18 @@ def rms_norm(x, weight, *, eps, out_dtype=None, backend=None, interpret=None, bl
     return impl.rms_norm(x, weight, eps=eps, out_dtype=out_dtype)
 
 
-def _check_attention(q, k, v, segment_ids) -> None:
+def _check_attention(q, k, v, segment_ids, kv_segment_ids=None, sharded=False) -> None:
     if q.ndim != 4 or k.shape != v.shape or k.ndim != 4:
         raise ValueError(f"attention wants q [B, S, nq, d] and k, v [B, S, nk, d]; got q {q.shape}, "
                          f"k {k.shape}, v {v.shape}")
-    if q.shape[:2] != k.shape[:2] or q.shape[3] != k.shape[3]:
+    same = (0, 3) if sharded else (0, 1, 3)  # a sharded query block may be shorter than the keys
+    if any(q.shape[i] != k.shape[i] for i in same):
         raise ValueError(f"q {q.shape} and k {k.shape} must agree on batch, sequence and head_dim")
     if q.shape[2] % k.shape[2]:
         raise ValueError(f"query heads ({q.shape[2]}) must be a multiple of KV heads ({k.shape[2]})")
-    if segment_ids is not None and (segment_ids.shape != q.shape[:2]
-                                    or not jnp.issubdtype(segment_ids.dtype, jnp.integer)):
-        raise ValueError(f"segment_ids must be integer [B, S] = {q.shape[:2]}, got {segment_ids.dtype} "
-                         f"{segment_ids.shape}")
+    for name, ids, rows in (("segment_ids", segment_ids, q), ("kv_segment_ids", kv_segment_ids, k)):
+        if ids is not None and (ids.shape != rows.shape[:2] or not jnp.issubdtype(ids.dtype, jnp.integer)):
+            raise ValueError(f"{name} must be integer [B, S] = {rows.shape[:2]}, got {ids.dtype} {ids.shape}")
 
 
 def _check_grouped(lhs, num_groups: int, k: int, group_sizes) -> None:

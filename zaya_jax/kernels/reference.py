@@ -11,32 +11,37 @@ import jax
 import jax.numpy as jnp
 
 
-def attention(q, k, v, segment_ids=None, *, causal=True, scale=None):
+def attention(q, k, v, segment_ids=None, *, causal=True, scale=None, kv_segment_ids=None, q_offset=0):
     """softmax(q kᵀ · scale + mask) v with query head i reading KV head i // (nq / nk).
 
-    q: [B, S, nq, d]; k, v: [B, S, nk, d]; segment_ids: int32 [B, S] or None (a query sees only
-    keys of its own segment). Returns [B, S, nq, d] in q's dtype; logits and softmax in fp32.
+    q: [B, Sq, nq, d]; k, v: [B, Sk, nk, d]; segment_ids: int32 [B, Sq] or None (a query sees only
+    keys of its own segment; the keys' ids are `kv_segment_ids`, default the same array). Query i
+    sits at sequence index `q_offset + i` (an int or a traced scalar) among keys 0..Sk-1: the form
+    a sequence shard's local queries take against all-gathered keys. Returns [B, Sq, nq, d] in q's
+    dtype; logits and softmax in fp32.
     """
-    batch, seq, nq, dim = q.shape
+    batch, q_len, nq, dim = q.shape
     nk = k.shape[2]
     scale = dim ** -0.5 if scale is None else scale
-    qg = q.reshape(batch, seq, nk, nq // nk, dim)
+    qg = q.reshape(batch, q_len, nk, nq // nk, dim)
     logits = jnp.einsum("bsngd,btnd->bngst", qg, k, preferred_element_type=jnp.float32) * scale
-    mask = attention_mask(batch, seq, segment_ids, causal)
+    mask = attention_mask(batch, q_len, k.shape[1], segment_ids, kv_segment_ids, causal, q_offset)
     logits = jnp.where(mask[:, None, None], logits, jnp.finfo(jnp.float32).min)
     probs = jax.nn.softmax(logits, axis=-1).astype(v.dtype)
     out = jnp.einsum("bngst,btnd->bsngd", probs, v, preferred_element_type=jnp.float32)
-    return out.reshape(batch, seq, nq, dim).astype(q.dtype)
+    return out.reshape(batch, q_len, nq, dim).astype(q.dtype)
 
 
-def attention_mask(batch: int, seq: int, segment_ids, causal: bool) -> jax.Array:
-    """Boolean [B, S, S] (query, key): causal and/or same-segment."""
-    mask = jnp.ones((1, seq, seq), bool)
+def attention_mask(batch: int, q_len: int, k_len: int, segment_ids, kv_segment_ids=None, causal: bool = True,
+                   q_offset=0) -> jax.Array:
+    """Boolean [B, Sq, Sk] (query, key): causal (key index ≤ q_offset + query index) and/or same-segment."""
+    mask = jnp.ones((1, q_len, k_len), bool)
     if causal:
-        mask = jnp.tril(mask)
+        mask = mask & (jnp.arange(k_len)[None, None, :] <= q_offset + jnp.arange(q_len)[None, :, None])
     if segment_ids is not None:
-        mask = mask & (segment_ids[:, :, None] == segment_ids[:, None, :])
-    return jnp.broadcast_to(mask, (batch, seq, seq))
+        keys = segment_ids if kv_segment_ids is None else kv_segment_ids
+        mask = mask & (segment_ids[:, :, None] == keys[:, None, :])
+    return jnp.broadcast_to(mask, (batch, q_len, k_len))
 
 
 def grouped_matmul(lhs, rhs, group_sizes, *, preferred_element_type=None):

@@ -15,8 +15,17 @@ from zaya_jax.errors import ZayaError
 from zaya_jax.kernels import reference
 
 
-def attention(q, k, v, segment_ids=None, *, causal=True, scale=None, implementation="xla"):
+def attention(q, k, v, segment_ids=None, *, causal=True, scale=None, implementation="xla", kv_segment_ids=None,
+              q_offset=None):
     """`reference.attention` through `jax.nn.dot_product_attention`."""
+    if q_offset is not None or kv_segment_ids is not None:
+        # Queries offset against a longer key sequence: the causal part joins the dense mask.
+        if implementation == "cudnn":
+            raise ZayaError("the cudnn attention backend takes no query offset (sequence-sharded queries); "
+                            "use the 'xla' attention backend with mesh.tsp or mesh.sequence > 1")
+        mask = reference.attention_mask(q.shape[0], q.shape[1], k.shape[1], segment_ids, kv_segment_ids,
+                                        causal, 0 if q_offset is None else q_offset)
+        return jax.nn.dot_product_attention(q, k, v, mask=mask[:, None], scale=scale, implementation=implementation)
     mask = None
     if segment_ids is not None:
         if implementation == "cudnn":

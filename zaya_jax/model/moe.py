@@ -2,7 +2,9 @@
 
 Tokens are sorted by their chosen expert, run through `zaya_jax.kernels.grouped_matmul` (the
 `model.moe_kernel` backend), then unsorted: each expert computes only its own tokens. Skip-class
-tokens sort to the end, past every group, where the grouped matmul outputs zero.
+tokens sort to the end, past every group, where the grouped matmul outputs zero. On a mesh with
+expert, TSP or tensor parallelism (or Pallas kernels on any mesh) the same math runs per device
+in the schedule of `parallel/experts_layout.py`.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from zaya_jax import kernels
 from zaya_jax.config import ModelConfig
 from zaya_jax.model.params import make_param, normal
 from zaya_jax.model.router import Router, Routing
-from zaya_jax.parallel.batch_map import run_kernel
+from zaya_jax.parallel import experts_layout  # a module reference: the layout calls back into this one
 
 
 class Experts(nnx.Module):
@@ -28,16 +30,15 @@ class Experts(nnx.Module):
         self.kernel = cfg.moe_kernel
 
     def __call__(self, x: jax.Array, routing: Routing) -> jax.Array:
-        """x: [T, H]; returns weight · down(silu(gate x) ⊙ up x) per token, [T, H] in x's dtype."""
+        """x: [B, S, H]; returns weight · down(silu(gate x) ⊙ up x) per token, [B, S, H] in x's dtype."""
         dt = x.dtype
-        weights = tuple(w[...].astype(dt) for w in (self.gate, self.up, self.down))
-        return run_kernel("grouped_matmul", self.kernel, self._sorted_experts,
-                          (x, routing.expert, routing.weight), weights)
-
-    def _sorted_experts(self, x, expert, weight, gate_w, up_w, down_w):
-        """Sort, grouped SwiGLU, unsort (on whatever rows this device holds)."""
-        return by_expert(x, expert, weight, gate_w.shape[0],
-                         lambda xs, sizes: grouped_swiglu(xs, sizes, gate_w, up_w, down_w, self.kernel))
+        gate, up, down = (w[...].astype(dt) for w in (self.gate, self.up, self.down))
+        if experts_layout.active(self.kernel):
+            return experts_layout.experts(x, routing.expert, routing.weight, gate, up, down, backend=self.kernel)
+        batch, length, hidden = x.shape
+        out = by_expert(x.reshape(-1, hidden), routing.expert.reshape(-1), routing.weight.reshape(-1),
+                        gate.shape[0], lambda xs, sizes: grouped_swiglu(xs, sizes, gate, up, down, self.kernel))
+        return out.reshape(batch, length, hidden)
 
 
 def by_expert(x, expert, weight, num_experts: int, experts_fn):
@@ -66,9 +67,6 @@ class MoE(nnx.Module):
         self.experts = Experts(cfg, rngs=rngs)
 
     def __call__(self, x: jax.Array, prev_state: jax.Array | None) -> tuple[jax.Array, jax.Array, Routing]:
-        """x: [B, S, H]; returns (output [B, S, H], router state [T, R] for EDA, routing)."""
-        batch, seq, hidden = x.shape
-        flat = x.reshape(batch * seq, hidden)
-        routing, state = self.router(flat, prev_state)
-        out = self.experts(flat, routing)
-        return out.reshape(batch, seq, hidden), state, routing
+        """x: [B, S, H]; returns (output [B, S, H], router state [B, S, R] for EDA, routing [B, S])."""
+        routing, state = self.router(x, prev_state)
+        return self.experts(x, routing), state, routing

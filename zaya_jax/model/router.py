@@ -20,9 +20,9 @@ from zaya_jax.model.params import BalancingBias, constant, make_param, normal
 
 @dataclasses.dataclass(frozen=True)
 class Routing:
-    expert: jax.Array  # int32[T], in [0, E]; E is the skip class
-    weight: jax.Array  # fp32[T], p[expert]; 0 for skip
-    probs: jax.Array  # fp32[T, E+1], unbiased router probabilities
+    expert: jax.Array  # int32[...tokens], in [0, E]; E is the skip class
+    weight: jax.Array  # fp32[...tokens], p[expert]; 0 for skip
+    probs: jax.Array  # fp32[...tokens, E+1], unbiased router probabilities
 
 
 jax.tree_util.register_dataclass(Routing, data_fields=["expert", "weight", "probs"], meta_fields=[])
@@ -50,7 +50,8 @@ class Router(nnx.Module):
         self.balancing_biases = BalancingBias(initial_balancing_biases(cfg.num_experts))
 
     def __call__(self, x: jax.Array, prev_state: jax.Array | None) -> tuple[Routing, jax.Array]:
-        """x: [T, H] normed tokens; prev_state: the previous layer's post-EDA router state [T, R]."""
+        """x: [..., H] normed tokens ([B, S, H] in the model); prev_state: the previous layer's
+        post-EDA router state [..., R]."""
         state = x.astype(jnp.float32) @ self.down[...] + self.down_bias[...]
         if self.eda_scale is not None and prev_state is not None:
             state = state + prev_state * self.eda_scale[...]
@@ -65,5 +66,5 @@ def choose_top1(probs: jax.Array, biases: jax.Array) -> Routing:
     """Biased choice `argmax(stop_gradient(p) + b)`, unbiased weight `p[choice]`, 0 for the skip class."""
     skip = probs.shape[-1] - 1
     expert = jnp.argmax(jax.lax.stop_gradient(probs) + biases, axis=-1).astype(jnp.int32)
-    weight = jnp.take_along_axis(probs, expert[:, None], axis=-1)[:, 0]
+    weight = jnp.take_along_axis(probs, expert[..., None], axis=-1)[..., 0]
     return Routing(expert, jnp.where(expert == skip, 0.0, weight), probs)

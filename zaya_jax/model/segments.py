@@ -37,11 +37,16 @@ def positions_from_segments(segment_ids: jax.Array) -> jax.Array:
 
 
 def sequence_info(
-    shape: tuple[int, int], segment_ids: jax.Array | None, positions: jax.Array | None, max_lag: int
+    shape: tuple[int, int], segment_ids: jax.Array | None, positions: jax.Array | None, max_lag: int,
+    index: jax.Array | None = None,
 ) -> SequenceInfo:
-    """Build the masks for lags 0..max_lag once per forward; every layer shares them."""
+    """Build the masks for lags 0..max_lag once per forward; every layer shares them.
+
+    `index` (int32 [S]) is each column's place in the whole sequence when the rows are a shard of
+    it (with halo rows in front); token t-j exists where index - j >= 0. Default 0..S-1.
+    """
     batch, seq = shape
-    idx = jnp.arange(seq, dtype=jnp.int32)
+    idx = jnp.arange(seq, dtype=jnp.int32) if index is None else index
     if positions is None:
         positions = (
             positions_from_segments(segment_ids) if segment_ids is not None

@@ -64,7 +64,7 @@ class Zaya(nnx.Module):
         run = block_runner(remat, self.compute_dtype)
         for block in self.layers:
             h, router_state, routing = run(block, h, router_state, seq)
-            choices.append(routing.expert)
+            choices.append(routing.expert.reshape(-1))
         return self.final_norm(h, jnp.float32), jnp.stack(choices)
 
     def logits(self, hidden: jax.Array) -> jax.Array:

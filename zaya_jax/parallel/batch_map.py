@@ -1,11 +1,12 @@
-"""Run an opaque kernel shard by shard over the batch axes of the ambient mesh.
+"""Run an opaque kernel shard by shard over the batch and sequence axes of the ambient mesh.
 
 GSPMD cannot partition a Pallas kernel: on a GPU it is a custom call, and XLA would gather every
 operand to every device and run the whole batch everywhere. `run_kernel` therefore wraps a
-kernel whose backend resolves to `pallas` in `jax.shard_map` over the mesh's batch axes (data,
-fsdp, expert), so each device runs it on its own rows; other backends stay with GSPMD. The mesh
-comes from the tracing context (`Program` traces its steps under `use_abstract_mesh`); with no
-mesh, or one device on the batch axes, the kernel is called directly.
+kernel whose backend resolves to `pallas` in `jax.shard_map`, so each device runs it on its own
+rows; other backends stay with GSPMD. The mesh comes from the tracing context (`Program` traces
+its steps under `use_abstract_mesh`); with no mesh, or one device on those axes, the kernel is
+called directly. Operands are token-major, [B, S, ...]: B splits over the batch axes and S over
+the sequence axes (`row_spec`), which is how the layouts keep activations.
 """
 
 from __future__ import annotations
@@ -14,29 +15,41 @@ import jax
 from jax.sharding import PartitionSpec as P
 
 from zaya_jax.kernels import resolve
-from zaya_jax.parallel.axes import BATCH_AXES
+from zaya_jax.parallel.axes import BATCH_AXES, SEQUENCE_AXES
 
 
 def run_kernel(kernel: str, backend: str, fn, batched: tuple, replicated: tuple = ()):
-    """fn(*batched, *replicated); `batched` arrays split on their leading (row) axis."""
+    """fn(*batched, *replicated); `batched` arrays are [B, S, ...] and split on B and S.
+
+    Only for kernels that act on each token row alone (the norm) or on whole sequences when the
+    sequence axes are 1 (attention without a sequence layout; see `attention_layout`).
+    """
     if resolve(kernel, backend) != "pallas":
         return fn(*batched, *replicated)
-    return over_batch(fn, batched, replicated)
-
-
-def batch_axes_in_context() -> tuple[str, ...]:
-    """The ambient mesh's batch axes with more than one device, in mesh order."""
-    mesh = jax.sharding.get_abstract_mesh()
-    if mesh.empty:
-        return ()
-    return tuple(a for a in BATCH_AXES if a in mesh.axis_names and mesh.shape[a] > 1)
-
-
-def over_batch(fn, batched: tuple, replicated: tuple = ()):
-    axes = batch_axes_in_context()
+    axes = axes_in_context(BATCH_AXES + SEQUENCE_AXES)
     if not axes:
         return fn(*batched, *replicated)
-    spec = P(axes)
+    spec = row_spec()
     mapped = jax.shard_map(fn, in_specs=(spec,) * len(batched) + (P(),) * len(replicated), out_specs=spec,
                            axis_names=set(axes), check_vma=False)
     return mapped(*batched, *replicated)
+
+
+def axes_in_context(names=None) -> tuple[str, ...]:
+    """The ambient mesh's axes (of `names`, default all) with more than one device, in mesh order."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty:
+        return ()
+    return tuple(a for a in mesh.axis_names if mesh.shape[a] > 1 and (names is None or a in names))
+
+
+def axis_size(name: str) -> int:
+    mesh = jax.sharding.get_abstract_mesh()
+    return 1 if mesh.empty or name not in mesh.axis_names else mesh.shape[name]
+
+
+def row_spec() -> P:
+    """[B, S, ...] activations: B over the batch axes, S over the sequence axes (in context)."""
+    batch = axes_in_context(BATCH_AXES)
+    seq = tuple(a for a in SEQUENCE_AXES if a in axes_in_context(SEQUENCE_AXES))
+    return P(batch or None, seq or None)

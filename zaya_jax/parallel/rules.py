@@ -1,8 +1,20 @@
 """The logical → mesh sharding rules: the one table that decides where every array lives.
 
-Parameters carry logical axis names (`embed`, `experts`, `vocab`, ...; see `model/params.py`);
-activations use `batch`. A logical axis maps to a tuple of mesh axes; anything not in the table
-is replicated. Mesh axes of size 1 are dropped, so one table serves every layout of this family.
+Parameters carry logical axis names (`embed`, `experts`, `mlp`, ...; see `model/params.py`);
+activations use `batch` and `length`. A logical axis maps to a tuple of mesh axes; anything not
+in the table is replicated. Mesh axes of size 1 are dropped, so one table serves every layout:
+
+- data / fsdp / expert: each device reads its own sequences; fsdp shards the hidden dimension
+  of every weight (ZeRO-3), expert owns E / expert experts.
+- tensor (Megatron): query/KV heads and the experts' width are split; attention keeps whole
+  KV groups per device.
+- tsp (folded tensor + sequence): the sequence is split, and every weight is stored 1/D —
+  attention matrices on their hidden dimension (a bucket is all-gathered when used), the
+  experts on their width (slices circulate in a ring).
+- sequence (context parallel): the sequence is split; weights are not.
+
+Rules are applied in table order: a mesh axis goes to the first of an array's dimensions that
+claims it (the experts' `mlp` takes `tsp` before their `embed` can).
 """
 
 from __future__ import annotations
@@ -12,9 +24,14 @@ from typing import Iterable
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 RULES: dict[str, tuple[str, ...]] = {
-    "batch": ("data", "fsdp", "expert"),  # each data-parallel device reads its own sequences
-    "embed": ("fsdp",),  # FSDP: shard the hidden dimension of every weight
-    "experts": ("expert",),  # expert parallelism: each device owns E / expert experts
+    "batch": ("data", "fsdp", "expert"),
+    "length": ("tsp", "sequence"),
+    "experts": ("expert",),
+    "mlp": ("tensor", "tsp"),
+    "heads": ("tensor",),
+    "kv_heads": ("tensor",),
+    "head_dim_out": ("tsp",),
+    "embed": ("fsdp", "tsp"),
 }
 
 
@@ -22,18 +39,32 @@ def partition_spec(logical_axes: Iterable[str | None] | None, mesh: Mesh, shape=
     """PartitionSpec for an array with these logical axes (replicated where a dim does not divide)."""
     if not logical_axes:
         return PartitionSpec()
+    names = list(logical_axes)
     used: set[str] = set()
-    spec = []
-    for dim, name in enumerate(logical_axes):
-        axes = tuple(a for a in RULES.get(name, ()) if mesh.shape[a] > 1 and a not in used)
-        size = 1
-        for a in axes:
-            size *= mesh.shape[a]
-        if shape is not None and shape[dim] % size:
-            axes = ()
-        used.update(axes)
-        spec.append(axes[0] if len(axes) == 1 else (axes or None))
+    spec: list = [None] * len(names)
+    for rule, mesh_axes in RULES.items():
+        for dim, name in enumerate(names):
+            if name != rule:
+                continue
+            axes = tuple(a for a in mesh_axes if a in mesh.shape and mesh.shape[a] > 1 and a not in used)
+            size = 1
+            for a in axes:
+                size *= mesh.shape[a]
+            if shape is not None and shape[dim] % size:
+                axes = ()
+            used.update(axes)
+            spec[dim] = axes[0] if len(axes) == 1 else (axes or None)
     return PartitionSpec(*spec)
+
+
+def keep_axes(spec: PartitionSpec, keep: Iterable[str]) -> PartitionSpec:
+    """`spec` with only the mesh axes in `keep` (the others become replicated)."""
+    keep = set(keep)
+    out = []
+    for entry in spec:
+        axes = tuple(a for a in ((entry,) if isinstance(entry, str) else (entry or ())) if a in keep)
+        out.append(axes[0] if len(axes) == 1 else (axes or None))
+    return PartitionSpec(*out)
 
 
 def named_sharding(logical_axes, mesh: Mesh, shape=None) -> NamedSharding:

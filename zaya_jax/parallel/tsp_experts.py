@@ -24,7 +24,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from zaya_jax.model.moe import grouped_swiglu
+from zaya_jax.model import moe as moe_math  # module reference: moe imports the layouts that import this
 
 
 def ring_experts(xs, group_sizes, gate, up, down, *, axis: str, backend: str | None = None):
@@ -49,7 +49,7 @@ def _ring(xs, group_sizes, gate, up, down, axis, backend):
     steps = jax.lax.axis_size(axis)
     for step in range(steps):  # static: D is a mesh axis size
         arriving = _pass_on(held, axis) if step < steps - 1 else None  # independent of the matmuls: overlaps
-        out = out + grouped_swiglu(xs, group_sizes, *held, backend)
+        out = out + moe_math.grouped_swiglu(xs, group_sizes, *held, backend)
         held = arriving
     return out
 
@@ -65,7 +65,7 @@ def _ring_bwd(axis, backend, residuals, dout):
     dxs = jnp.zeros(xs.shape, jnp.float32)
     steps = jax.lax.axis_size(axis)
     for step in range(steps):
-        _, pullback = jax.vjp(lambda x, g, u, d: grouped_swiglu(x, group_sizes, g, u, d, backend), xs, *held)
+        _, pullback = jax.vjp(lambda x, g, u, d: moe_math.grouped_swiglu(x, group_sizes, g, u, d, backend), xs, *held)
         dx, *dw = pullback(dout)
         dxs = dxs + dx.astype(jnp.float32)
         grads = jax.tree.map(jnp.add, grads, tuple(dw))

@@ -55,7 +55,7 @@ class Program:
         return {k: named_sharding(axes, self.mesh, shapes[k]) for k, axes in self.modeldef.param_axes.items()}
 
     def batch_sharding(self, accumulated: bool = True) -> NamedSharding:
-        spec = named_sharding(("batch", None), self.mesh).spec
+        spec = named_sharding(("batch", "length"), self.mesh).spec
         return NamedSharding(self.mesh, PartitionSpec(None, *spec) if accumulated else spec)
 
     def abstract_state(self) -> TrainState:

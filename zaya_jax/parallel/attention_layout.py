@@ -1,0 +1,134 @@
+"""CCA attention on a mesh with `tsp`, `tensor` or `sequence` > 1: one `shard_map` schedule.
+
+Each device holds activations [B/batch, S/(tsp·sequence), H] (contiguous sequence chunks) and runs
+`model.cca.project` — the single-device math — on whole KV groups:
+
+- **Halo.** CCA's convolutions look (t0-1)+(t1-1) tokens back and the delayed values one token
+  back, so each device takes the last rows of the previous chunk's input from its neighbour
+  (one `ppermute` of x, segment ids and positions), runs the layer on [halo ‖ chunk] and drops
+  the halo rows. The first chunk's halo lies before the sequence and is masked as such.
+- **Sequence (context) parallel.** K and V of every device are all-gathered along the sequence
+  (tiled, in chunk order) and the local queries attend with a causal mask offset by the chunk's
+  place; segment ids are gathered once per layer for the packed-document mask.
+- **TSP.** Weights are stored 1/D on their hidden dimension (see `parallel/rules.py`). Heads
+  are processed in buckets of one KV group: the bucket's weight slices are all-gathered over
+  `tsp` (each a plain all-gather; only one bucket is resident at a time), local tokens are
+  projected, the bucket's K/V all-gathered over the sequence, local queries attend and
+  `attn @ Wo[bucket]` accumulates locally. No all-reduce: each device owns its output tokens.
+- **Tensor (Megatron).** Query/KV heads (and Wo's rows) are split by whole KV groups; the small
+  replicated weights (convs, values, biases) are cut to the device's groups; the partial outputs
+  are summed with one `psum` over `tensor`.
+- **fsdp** shards arrive gathered at the `shard_map` boundary (GSPMD inserts the all-gather).
+
+Autodiff gives the backward: all-gathers transpose to reduce-scatters (weight gradients to
+their owners, dK/dV to the chunk that made them), the halo `ppermute` to the reverse one.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
+
+from zaya_jax import kernels
+from zaya_jax.kernels import resolve
+from zaya_jax.model import cca as cca_math  # module reference: cca imports this module too
+from zaya_jax.model.segments import sequence_info
+from zaya_jax.parallel.axes import SEQUENCE_AXES
+from zaya_jax.parallel.batch_map import axes_in_context, axis_size, row_spec
+from zaya_jax.parallel.rules import keep_axes, partition_spec
+
+LAYOUT_AXES = ("tsp", "tensor", "sequence")  # any of these > 1 routes attention through this schedule
+
+
+def active() -> bool:
+    return bool(axes_in_context(LAYOUT_AXES))
+
+
+def halo_rows(cfg) -> int:
+    """Tokens of the previous chunk that a chunk's first token depends on (convs, delayed value)."""
+    return max(cfg.cca_time0 - 1 + cfg.cca_time1 - 1, 1)
+
+
+def cca(params: dict, x, seq, cfg):
+    """The CCA layer's output [B, S, H] in x's dtype; `params` as `CCAttention.params()`."""
+    mesh = jax.sharding.get_abstract_mesh()
+    specs = {n: keep_axes(partition_spec(cca_math.PARAM_AXES[n], mesh, p.shape), ("tsp", "tensor"))
+             for n, p in params.items()}
+    segment_ids = seq.segment_ids if seq.segment_ids is not None else jnp.zeros(seq.positions.shape, jnp.int32)
+    rows = row_spec()
+    body = functools.partial(_local_cca, cfg=cfg, specs=specs)
+    mapped = jax.shard_map(body, in_specs=(P(*rows, None), rows, rows, specs), out_specs=P(*rows, None),
+                           axis_names=set(axes_in_context()),
+                           check_vma=resolve("attention", cfg.attention_kernel) != "pallas")
+    return mapped(x, segment_ids, seq.positions, params)
+
+
+def _local_cca(x, segment_ids, positions, params, *, cfg, specs):
+    seq_axes = tuple(a for a in SEQUENCE_AXES if axis_size(a) > 1)
+    chunk = x.shape[1]
+    halo = halo_rows(cfg) if seq_axes else 0
+    rank = jax.lax.axis_index(seq_axes) if seq_axes else 0
+    if seq_axes:
+        x, segment_ids, positions = (jnp.concatenate([_from_previous(a[:, -halo:], seq_axes), a], axis=1)
+                                     for a in (x, segment_ids, positions))
+    index = rank * chunk - halo + jnp.arange(chunk + halo, dtype=jnp.int32)
+    info = sequence_info(x.shape[:2], segment_ids, positions, max(cfg.cca_time0, cfg.cca_time1, 2) - 1, index)
+    local_segments = segment_ids[:, halo:]
+    key_segments = jax.lax.all_gather(local_segments, seq_axes, axis=1, tiled=True) if seq_axes else None
+
+    w, first, groups = _device_groups(params, specs, cfg, x.dtype)
+    bucket = 1 if axis_size("tsp") > 1 else groups  # TSP: one KV group's weights resident at a time
+    out = jnp.zeros((x.shape[0], chunk, x.shape[2]), jnp.float32)
+    for start in range(0, groups, bucket):
+        wb = _gather_bucket(cca_math.select_groups(w, start, bucket, cfg), specs)
+        q, k, v = cca_math.project(x, wb, info, cfg, first + start, drop=halo)
+        if seq_axes:
+            k, v = (jax.lax.all_gather(t, seq_axes, axis=1, tiled=True) for t in (k, v))
+            attn = kernels.flash_attention(q, k, v, segment_ids=local_segments, kv_segment_ids=key_segments,
+                                           q_offset=rank * chunk, backend=cfg.attention_kernel)
+        else:
+            attn = kernels.flash_attention(q, k, v, segment_ids=local_segments, backend=cfg.attention_kernel)
+        out = out + jnp.einsum("bsnd,ndh->bsh", attn, wb["wo"], preferred_element_type=jnp.float32)
+    if axis_size("tensor") > 1:
+        out = jax.lax.psum(out, "tensor")
+    return out.astype(x.dtype)
+
+
+def _device_groups(params, specs, cfg, dtype):
+    """Group-major weights cut to this device's KV groups: (weights, first group, group count)."""
+    w = cca_math.group_major(params, cfg, dtype)
+    tensor = axis_size("tensor")
+    groups = cfg.num_key_value_heads // tensor
+    if tensor == 1:
+        return w, 0, groups
+    first = jax.lax.axis_index("tensor") * groups
+    replicated = [n for n, src in cca_math.SOURCE.items() if "tensor" not in _axes(specs[src])]
+    return cca_math.select_groups(w, first, groups, cfg, replicated), first, groups
+
+
+def _gather_bucket(wb: dict, specs: dict) -> dict:
+    """All-gather over `tsp` the bucket's slices of the weights stored 1/D on `tsp`."""
+    out = dict(wb)
+    for name, src in cca_math.SOURCE.items():
+        for dim, entry in enumerate(specs[src]):
+            if "tsp" in _axes_of(entry):
+                out[name] = jax.lax.all_gather(wb[name], "tsp", axis=dim, tiled=True)
+    return out
+
+
+def _from_previous(rows, axes):
+    """Each chunk receives the previous chunk's `rows`; the first chunk receives zeros."""
+    size = math.prod(axis_size(a) for a in axes)
+    return jax.lax.ppermute(rows, axes, [(i, i + 1) for i in range(size - 1)])
+
+
+def _axes(spec) -> set[str]:
+    return set().union(*(_axes_of(e) for e in spec)) if len(spec) else set()
+
+
+def _axes_of(entry) -> tuple[str, ...]:
+    return (entry,) if isinstance(entry, str) else tuple(entry or ())

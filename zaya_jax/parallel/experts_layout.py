@@ -1,0 +1,76 @@
+"""The experts on a mesh: one `shard_map` schedule for expert, TSP and tensor parallelism.
+
+Each device holds its tokens [B/batch, S/(tsp·sequence), H] and their routing, flattens them,
+and runs `model.moe.by_expert` (sort by expert → grouped SwiGLU → unsort) with:
+
+- **Expert parallel** (`expert` = X): every device owns E/X experts. Tokens are exchanged by a
+  ring all-gather over `expert` (every device sees the X shards' tokens; those routed elsewhere
+  sort past its groups and cost nothing in the grouped matmul), and the outputs return to their
+  owners with a reduce-scatter (`psum_scatter`). Static shapes, no capacity factor, no drops.
+- **TSP** (`tsp` = D): each device stores a 1/D slice of every expert's width; the slices
+  circulate in the `ppermute` ring of `parallel.tsp_experts` (two slices resident, no all-reduce).
+- **Tensor** (`tensor` = T): each device applies its 1/T of every expert's width to the tokens
+  and the partial outputs are summed with one `psum` over `tensor`.
+- **fsdp** shards of the weights arrive gathered at the boundary (GSPMD's all-gather).
+
+With none of these axes and a non-Pallas backend the experts stay with GSPMD (`active()` false).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
+
+from zaya_jax.kernels import resolve
+from zaya_jax.model import moe as moe_math  # module reference: moe imports this module too
+from zaya_jax.parallel.axes import MODEL_AXES
+from zaya_jax.parallel.batch_map import axes_in_context, axis_size, row_spec
+from zaya_jax.parallel.rules import keep_axes, partition_spec
+from zaya_jax.parallel.tsp_experts import ring_experts
+
+WEIGHT_AXES = {"gate": ("experts", "embed", "mlp"), "up": ("experts", "embed", "mlp"),
+               "down": ("experts", "mlp", "embed")}
+
+
+def active(backend: str) -> bool:
+    if axes_in_context(MODEL_AXES):
+        return True
+    return resolve("grouped_matmul", backend) == "pallas" and bool(axes_in_context())
+
+
+def experts(x, expert, weight, gate, up, down, *, backend: str):
+    """x [B, S, H], expert/weight [B, S]; gate/up [E, H, I], down [E, I, H] → [B, S, H] in x's dtype."""
+    mesh = jax.sharding.get_abstract_mesh()
+    specs = tuple(keep_axes(partition_spec(WEIGHT_AXES[n], mesh, w.shape), MODEL_AXES)
+                  for n, w in (("gate", gate), ("up", up), ("down", down)))
+    rows = row_spec()
+    mapped = jax.shard_map(functools.partial(_local_experts, backend=backend),
+                           in_specs=(P(*rows, None), rows, rows) + specs, out_specs=P(*rows, None),
+                           axis_names=set(axes_in_context()), check_vma=False)  # Pallas outputs carry no vma
+    return mapped(x, expert, weight, gate, up, down)
+
+
+def _local_experts(x, expert, weight, gate, up, down, *, backend):
+    batch, length, hidden = x.shape
+    x, expert, weight = x.reshape(-1, hidden), expert.reshape(-1), weight.reshape(-1)
+    owners = axis_size("expert")
+    local = gate.shape[0]
+    if owners > 1:
+        x, expert, weight = (jax.lax.all_gather(a, "expert", axis=0, tiled=True) for a in (x, expert, weight))
+        expert = expert - jax.lax.axis_index("expert") * local
+        expert = jnp.where((expert >= 0) & (expert < local), expert, local)  # not mine: past every group
+
+    def swiglu(xs, sizes):
+        if axis_size("tsp") > 1:
+            out = ring_experts(xs, sizes, gate, up, down, axis="tsp", backend=backend)
+        else:
+            out = moe_math.grouped_swiglu(xs, sizes, gate, up, down, backend)
+        return jax.lax.psum(out, "tensor") if axis_size("tensor") > 1 else out
+
+    out = moe_math.by_expert(x, expert, weight, local, swiglu)
+    if owners > 1:
+        out = jax.lax.psum_scatter(out, "expert", scatter_dimension=0, tiled=True)
+    return out.reshape(batch, length, hidden)
