@@ -19,8 +19,6 @@ from zaya_jax.kernels.registry import resolve as resolve_kernel
 from zaya_jax.experiment.schema import REMAT_POLICIES
 from zaya_jax.parallel.axes import MESH_AXES
 
-# Layouts that arrive with the parallel-layouts work; until then they are refused in words.
-_NOT_YET = ("tsp", "tensor", "sequence")
 BYTE_VOCAB = 259
 
 
@@ -139,8 +137,4 @@ def _mesh(c, model) -> str | None:
         return f"mesh.{bad[0]} must be a positive size or -1 (take the remaining devices), got {sizes[bad[0]]}"
     if sum(s == -1 for s in sizes.values()) > 1:
         return "only one mesh axis may be -1; give the others explicit sizes"
-    later = [a for a in _NOT_YET if sizes[a] != 1]
-    if later:
-        return (f"mesh.{later[0]}={sizes[later[0]]}: the {later[0]} layout is not available in this version; "
-                "use the data, fsdp and expert axes (set mesh.{0}=1)".format(later[0]))
     return None

@@ -16,7 +16,7 @@ from jax.sharding import AxisType, Mesh
 from zaya_jax.config import ModelConfig
 from zaya_jax.errors import ZayaError
 from zaya_jax.kernels.registry import resolve as resolve_kernel
-from zaya_jax.parallel.axes import BATCH_AXES, MESH_AXES
+from zaya_jax.parallel.axes import BATCH_AXES, MESH_AXES, SEQUENCE_AXES
 
 
 
@@ -42,22 +42,48 @@ def _describe(sizes: dict[str, int]) -> str:
     return "(" + (", ".join(used) or "all axes 1") + ")"
 
 
-def check_layout(sizes: dict[str, int], model: ModelConfig, micro_batch: int) -> None:
-    """Divisibility the layout needs, in words."""
+def check_layout(sizes: dict[str, int], model: ModelConfig, micro_batch: int, seq_len: int) -> None:
+    """Everything a layout needs of the model, batch and sequence, said in words (first failure)."""
+    message = _first_problem(sizes, model, micro_batch, seq_len)
+    if message:
+        raise ZayaError(f"mesh {_describe(sizes)}: {message}")
+
+
+def _first_problem(sizes, model: ModelConfig, micro_batch: int, seq_len: int) -> str | None:
     readers = math.prod(sizes[a] for a in BATCH_AXES)
-    if micro_batch % readers:
-        raise ZayaError(
-            f"each micro-batch has {micro_batch} sequences (train.global_batch_size / train.grad_accum_steps), "
-            f"which does not split over the {readers} data-parallel devices (data x fsdp x expert); "
-            f"use a multiple of {readers}")
-    if model.num_experts % sizes["expert"]:
-        raise ZayaError(f"model.num_experts ({model.num_experts}) is not divisible by mesh.expert ({sizes['expert']})")
-    if sizes["expert"] > 1 and resolve_kernel("grouped_matmul", model.moe_kernel) == "pallas":
-        raise ZayaError("model.moe_kernel=pallas runs every expert on each device's own tokens, which mesh.expert > 1 "
-                        "(experts sharded over devices) cannot feed yet; use model.moe_kernel=xla or mesh.expert=1")
-    if model.hidden_size % sizes["fsdp"]:
-        raise ZayaError(f"model.hidden_size ({model.hidden_size}) is not divisible by mesh.fsdp ({sizes['fsdp']}): "
-                        "FSDP shards the hidden dimension of every weight")
+    chunks = math.prod(sizes[a] for a in SEQUENCE_AXES)
+    tsp, tensor = sizes["tsp"], sizes["tensor"]
+    halo = max(model.cca_time0 - 1 + model.cca_time1 - 1, 1)
+    checks = [
+        (micro_batch % readers == 0,
+         f"each micro-batch has {micro_batch} sequences (train.global_batch_size / train.grad_accum_steps), "
+         f"which does not split over the {readers} data-parallel devices (data x fsdp x expert); "
+         f"use a multiple of {readers}"),
+        (model.num_experts % sizes["expert"] == 0,
+         f"model.num_experts ({model.num_experts}) is not divisible by mesh.expert ({sizes['expert']})"),
+        (tsp == 1 or tensor == 1,
+         "mesh.tsp and mesh.tensor both split the heads and the experts' width, and TSP already folds tensor "
+         "parallelism into its axis; use one of them"),
+        (model.num_key_value_heads % tensor == 0,
+         f"model.num_key_value_heads ({model.num_key_value_heads}) is not divisible by mesh.tensor ({tensor}): "
+         "CCA mixes the query heads of a KV group, so tensor parallelism gives each device whole KV groups"),
+        (model.moe_intermediate_size % (tensor * tsp) == 0,
+         f"model.moe_intermediate_size ({model.moe_intermediate_size}) is not divisible by mesh.tensor x mesh.tsp "
+         f"({tensor * tsp}): each device holds that share of every expert's width"),
+        (model.hidden_size % (sizes["fsdp"] * tsp) == 0,
+         f"model.hidden_size ({model.hidden_size}) is not divisible by mesh.fsdp x mesh.tsp "
+         f"({sizes['fsdp'] * tsp}): FSDP and TSP store every weight split on its hidden dimension"),
+        (seq_len % chunks == 0,
+         f"train.seq_len ({seq_len}) is not divisible by mesh.tsp x mesh.sequence ({chunks}), "
+         "the number of chunks each sequence is cut into"),
+        (chunks == 1 or seq_len // chunks >= halo,
+         f"train.seq_len / (mesh.tsp x mesh.sequence) = {seq_len // chunks} tokens per chunk is shorter than "
+         f"CCA's look-back of {halo} tokens; use fewer sequence chunks or longer sequences"),
+        (chunks == 1 or resolve_kernel("attention", model.attention_kernel) not in ("pallas", "cudnn"),
+         f"model.attention_kernel={resolve_kernel('attention', model.attention_kernel)} has no causal offset for "
+         "sequence-sharded queries yet (mesh.tsp or mesh.sequence > 1); use model.attention_kernel=xla"),
+    ]
+    return next((message for ok, message in checks if not ok), None)
 
 
 def build_mesh(sizes: dict[str, int], devices=None) -> Mesh:
@@ -67,8 +93,8 @@ def build_mesh(sizes: dict[str, int], devices=None) -> Mesh:
     return Mesh(grid, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES))
 
 
-def mesh_for(requested: dict[str, int], model: ModelConfig, micro_batch: int, devices=None) -> Mesh:
+def mesh_for(requested: dict[str, int], model: ModelConfig, micro_batch: int, seq_len: int, devices=None) -> Mesh:
     devices = list(devices if devices is not None else jax.devices())
     sizes = resolve_axis_sizes(requested, len(devices))
-    check_layout(sizes, model, micro_batch)
+    check_layout(sizes, model, micro_batch, seq_len)
     return build_mesh(sizes, devices)

@@ -142,5 +142,5 @@ class Program:
 def build_program(exp: Experiment, devices=None) -> Program:
     c = exp.config
     micro = c.train.global_batch_size // c.train.grad_accum_steps
-    mesh = mesh_for(dict(c.mesh), exp.model, micro, devices)
+    mesh = mesh_for(dict(c.mesh), exp.model, micro, c.train.seq_len, devices)
     return Program(exp, mesh, model_def(exp.model))
