@@ -137,6 +137,18 @@ def test_resharded_resume_trains_like_the_uninterrupted_run(tmp_path, saved_on_d
     np.testing.assert_allclose([resumed[s] for s in range(5, 9)], [full[s] for s in range(5, 9)], rtol=2e-5)
 
 
+def test_run_saved_under_tsp_resumes_under_expert_x_data(tmp_path, saved_on_data8):
+    # Across layout families: TSP stores weights split on their hidden dim and the experts on
+    # their width; expert x data splits the experts themselves. Orbax reshards on restore.
+    _, full = saved_on_data8
+    workdir = tmp_path / "run"
+    train(_exp(4, tsp=8), str(workdir), devices=jax.devices()[:8], out=open(os.devnull, "w"))
+    summary = train(_exp(8, expert=4, data=2), str(workdir), devices=jax.devices()[:8], out=open(os.devnull, "w"))
+    assert summary["start_step"] == 4
+    resumed = _losses(workdir)
+    np.testing.assert_allclose([resumed[s] for s in range(1, 9)], [full[s] for s in range(1, 9)], rtol=2e-5)
+
+
 # ---- bad checkpoints --------------------------------------------------------------------------
 def _listing(path):
     return sorted((root, tuple(sorted(files))) for root, _, files in os.walk(path))
