@@ -75,9 +75,23 @@ LAYOUTS = [dict(tsp=8), dict(tsp=4, data=2), dict(sequence=8), dict(sequence=4, 
 def test_layout_equals_one_device(single, layout):
     sizes = {a: layout.get(a, 1) for a in MESH_AXES}
     mesh = build_mesh(sizes, jax.devices())
-    logits, grads = _value_and_grad(CFG, mesh)
-    ref_logits, ref_grads = single
+    _assert_equal(_value_and_grad(CFG, mesh), single)
+
+
+def _assert_equal(got, single):
+    (logits, grads), (ref_logits, ref_grads) = got, single
     np.testing.assert_allclose(np.asarray(logits), np.asarray(ref_logits), rtol=1e-5, atol=1e-5)
     for key, ref in ref_grads.items():
         scale = float(np.max(np.abs(ref))) or 1.0
         np.testing.assert_allclose(np.asarray(grads[key]), np.asarray(ref), rtol=0, atol=2e-5 * scale, err_msg=key)
+
+
+PALLAS = dict(moe_kernel="pallas", norm_kernel="pallas")
+
+
+@pytest.mark.parametrize("layout, kernels", [(dict(tsp=4, data=2), PALLAS),
+                                             (dict(tensor=2, fsdp=2, data=2), dict(PALLAS, attention_kernel="pallas"))],
+                         ids=["tsp4xdata2", "tensor2xfsdp2xdata2"])
+def test_layout_with_pallas_kernels_equals_one_device(single, layout, kernels):
+    sizes = {a: layout.get(a, 1) for a in MESH_AXES}
+    _assert_equal(_value_and_grad(CFG.replace(**kernels), build_mesh(sizes, jax.devices())), single)

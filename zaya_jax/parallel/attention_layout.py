@@ -63,11 +63,13 @@ def cca(params: dict, x, seq, cfg):
     body = functools.partial(_local_cca, cfg=cfg, specs=specs)
     mapped = jax.shard_map(body, in_specs=(P(*rows, None), rows, rows, specs), out_specs=P(*rows, None),
                            axis_names=set(axes_in_context()),
-                           check_vma=resolve("attention", cfg.attention_kernel) != "pallas")
+                           check_vma=_tracks_vma(cfg))
     return mapped(x, segment_ids, seq.positions, params)
 
 
 def _local_cca(x, segment_ids, positions, params, *, cfg, specs):
+    if _tracks_vma(cfg):
+        params = _varying(params, specs)
     seq_axes = tuple(a for a in SEQUENCE_AXES if axis_size(a) > 1)
     chunk = x.shape[1]
     halo = halo_rows(cfg) if seq_axes else 0
@@ -98,6 +100,10 @@ def _local_cca(x, segment_ids, positions, params, *, cfg, specs):
     return out.astype(x.dtype)
 
 
+def _tracks_vma(cfg) -> bool:
+    return resolve("attention", cfg.attention_kernel) != "pallas"  # Pallas outputs carry no vma
+
+
 def _device_groups(params, specs, cfg, dtype):
     """Group-major weights cut to this device's KV groups: (weights, first group, group count)."""
     w = cca_math.group_major(params, cfg, dtype)
@@ -117,6 +123,18 @@ def _gather_bucket(wb: dict, specs: dict) -> dict:
         for dim, entry in enumerate(specs[src]):
             if "tsp" in _axes_of(entry):
                 out[name] = jax.lax.all_gather(wb[name], "tsp", axis=dim, tiled=True)
+    return out
+
+
+def _varying(params: dict, specs: dict) -> dict:
+    """Mark each weight as device-varying over the axes it is replicated on, so that the backward
+    sums its gradient once at weight size, and not as the activation-sized broadcasts the weight
+    enters (where autodiff would otherwise put that sum: an all-reduce of [B, S, heads, d])."""
+    axes = axes_in_context()
+    out = {}
+    for name, leaf in params.items():
+        missing = tuple(a for a in axes if a not in _axes(specs[name]))
+        out[name] = jax.lax.pcast(leaf, missing, to="varying") if missing else leaf
     return out
 
 

@@ -1,0 +1,129 @@
+"""The layouts' collectives, counted in the lowered and compiled HLO of one layer on 8 devices.
+
+The lowered module is the schedule as written (one op per collective call); the compiled one
+is what XLA runs (it may combine or share ops). TSP attention and TSP experts must have no
+all-reduce on the activation path: none in the forward, and in the backward only the one sum of
+the gradients of the few small weights every device keeps whole (conv taps, biases, temperature).
+"""
+
+import math
+import re
+from collections import Counter
+
+import jax
+import jax.numpy as jnp
+import pytest
+from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from zaya_jax.config import preset
+from zaya_jax.model.cca import PARAM_AXES, CCAttention
+from zaya_jax.model.segments import sequence_info
+from zaya_jax.parallel import attention_layout, experts_layout
+from zaya_jax.parallel.axes import MESH_AXES
+from zaya_jax.parallel.mesh import build_mesh
+from zaya_jax.parallel.rules import named_sharding
+
+CFG = preset("tiny", attention_kernel="xla", moe_kernel="xla", norm_kernel="xla")
+B, S = 8, 64
+OPS = ("all_gather", "all_reduce", "reduce_scatter", "collective_permute", "all_to_all")
+
+
+def _mesh(**layout):
+    return build_mesh({a: layout.get(a, 1) for a in MESH_AXES}, jax.devices())
+
+
+def _abstract(mesh):
+    row = named_sharding(("batch", "length"), mesh)
+    params = CCAttention(CFG, rngs=nnx.Rngs(0)).params()
+    attn = {n: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=named_sharding(PARAM_AXES[n], mesh, v.shape))
+            for n, v in params.items()}
+    e, h, i = CFG.num_experts, CFG.hidden_size, CFG.moe_intermediate_size
+    experts = [jax.ShapeDtypeStruct(s, jnp.float32, sharding=named_sharding(experts_layout.WEIGHT_AXES[n], mesh, s))
+               for n, s in (("gate", (e, h, i)), ("up", (e, h, i)), ("down", (e, i, h)))]
+    x = jax.ShapeDtypeStruct((B, S, h), jnp.float32, sharding=NamedSharding(mesh, P(*row.spec, None)))
+    ints = jax.ShapeDtypeStruct((B, S), jnp.int32, sharding=row)
+    floats = jax.ShapeDtypeStruct((B, S), jnp.float32, sharding=row)
+    return attn, experts, x, ints, floats
+
+
+def _attention(mesh):
+    def layer(params, x, segments, positions):
+        with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
+            return attention_layout.cca(params, x, sequence_info((B, S), segments, positions, 1), CFG)
+    return layer
+
+
+def _experts(mesh):
+    def layer(x, expert, weight, gate, up, down):
+        with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
+            return experts_layout.experts(x, expert, weight, gate, up, down, backend="xla")
+    return layer
+
+
+def _grad(layer, argnums):
+    return jax.grad(lambda *a: jnp.sum(layer(*a) ** 2), argnums=argnums)
+
+
+def _collectives(fn, *args):
+    """(lowered counts, compiled counts, compiled all-reduce operand element counts)."""
+    lowered = jax.jit(fn).lower(*args)
+    written = Counter(re.findall(r"stablehlo\.(" + "|".join(OPS) + ")", lowered.as_text()))
+    hlo = lowered.compile().as_text()
+    ops = [op.replace("-", "_") for op in re.findall(r" (" + "|".join(o.replace("_", "-") for o in OPS)
+                                                     + r")(?:-start)?\(", hlo)]
+    reduced = [math.prod(int(d) for d in dims.split(",") if d) for line in hlo.splitlines() if " all-reduce(" in line
+               for dims in re.findall(r"f32\[([\d,]*)\]", line.split(" all-reduce(")[0])]
+    return dict(written), dict(Counter(ops)), reduced
+
+
+def _replicated_attention_elements(mesh, attn):
+    """Elements of the attention weights stored whole on every device of the mesh."""
+    return sum(math.prod(a.shape) for a in attn.values() if a.sharding.is_fully_replicated)
+
+
+def test_tsp_attention_gathers_one_bucket_at_a_time_and_never_all_reduces_activations():
+    d = 8
+    mesh = _mesh(tsp=d)
+    attn, _, x, ints, _ = _abstract(mesh)
+    buckets = CFG.num_key_value_heads  # one KV group per bucket
+    written, compiled, _ = _collectives(_attention(mesh), attn, x, ints, ints)
+    # Per bucket: wq, wk, wv, wo and the two grouped-conv slices, then K and V; once: the keys'
+    # segment ids. The halo: x, segment ids and positions from the previous chunk.
+    assert written == {"all_gather": buckets * (6 + 2) + 1, "collective_permute": 3}
+    assert "all_reduce" not in compiled
+    written, compiled, reduced = _collectives(_grad(_attention(mesh), (0, 1)), attn, x, ints, ints)
+    # The backward adds the transposes: a reduce-scatter per float all-gather, the x halo's
+    # reverse permute, and the gradient sums of the 4 replicated small weights (combined by XLA).
+    assert written["reduce_scatter"] == buckets * (6 + 2) and written["collective_permute"] == 4
+    assert written["all_reduce"] == 4 and compiled["all_reduce"] == 1
+    assert sum(reduced) == _replicated_attention_elements(mesh, attn)
+
+
+def test_tsp_experts_ring_has_only_permutes():
+    d = 8
+    mesh = _mesh(tsp=d)
+    _, experts, x, ints, floats = _abstract(mesh)
+    written, compiled, _ = _collectives(_experts(mesh), x, ints, floats, *experts)
+    assert written == compiled == {"collective_permute": 3 * (d - 1)}  # gate, up, down slices, D-1 hops
+    written, compiled, _ = _collectives(_grad(_experts(mesh), (0, 3, 4, 5)), x, ints, floats, *experts)
+    # Backward ring: the slices travel again (D-1 hops) and their gradient accumulators D hops
+    # home; XLA shares the forward's slice permutes with the backward's.
+    assert written == {"collective_permute": 3 * (d - 1) * 2 + 3 * d}
+    assert compiled == {"collective_permute": 3 * (d - 1) + 3 * d}
+
+
+@pytest.mark.parametrize("layout", [dict(sequence=8), dict(tensor=2, sequence=4)], ids=str)
+def test_sequence_attention_gathers_keys_and_values_once(layout):
+    mesh = _mesh(**layout)
+    attn, _, x, ints, _ = _abstract(mesh)
+    written, _, _ = _collectives(_attention(mesh), attn, x, ints, ints)
+    tensor_sums = 1 if layout.get("tensor", 1) > 1 else 0  # Megatron's one all-reduce of the output
+    assert written == {"all_gather": 3, "collective_permute": 3, **({"all_reduce": 1} if tensor_sums else {})}
+
+
+def test_expert_parallel_dispatch_is_all_gather_and_reduce_scatter():
+    mesh = _mesh(expert=4, data=2)
+    _, experts, x, ints, floats = _abstract(mesh)
+    written, compiled, _ = _collectives(_experts(mesh), x, ints, floats, *experts)
+    assert written == compiled == {"all_gather": 3, "reduce_scatter": 1}  # tokens, choices, weights; outputs
