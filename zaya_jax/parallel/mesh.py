@@ -1,8 +1,10 @@
 """The named device mesh of a run: axis sizes from `config.mesh`, checked against the machine.
 
 Axes, always all six and in this order: `data` (replicated parameters), `fsdp` (parameters and
-optimizer state sharded, ZeRO-3 style), `expert` (experts sharded), `tsp`, `tensor`, `sequence`.
-Size 1 means unused; one axis may be -1 and takes the devices the others leave.
+optimizer state sharded, ZeRO-3 style), `expert` (experts sharded, tokens dispatched), `tsp`
+(folded tensor + sequence parallelism), `tensor` (Megatron), `sequence` (context parallel); see
+`parallel/rules.py` for where each puts the weights. Size 1 means unused; one axis may be -1 and
+takes the devices the others leave. `check_layout` says in words what a layout cannot do.
 """
 
 from __future__ import annotations
@@ -42,9 +44,10 @@ def _describe(sizes: dict[str, int]) -> str:
     return "(" + (", ".join(used) or "all axes 1") + ")"
 
 
-def check_layout(sizes: dict[str, int], model: ModelConfig, micro_batch: int, seq_len: int) -> None:
+def check_layout(sizes: dict[str, int], model: ModelConfig, micro_batch: int, seq_len: int,
+                 platform: str = "gpu") -> None:
     """Everything a layout needs of the model, batch and sequence, said in words (first failure)."""
-    message = _first_problem(sizes, model, micro_batch, seq_len)
+    message = _first_problem(sizes, model, micro_batch, seq_len) or _compiler_limits(sizes, model, platform)
     if message:
         raise ZayaError(f"mesh {_describe(sizes)}: {message}")
 
@@ -86,6 +89,16 @@ def _first_problem(sizes, model: ModelConfig, micro_batch: int, seq_len: int) ->
     return next((message for ok, message in checks if not ok), None)
 
 
+def _compiler_limits(sizes, model: ModelConfig, platform: str) -> str | None:
+    # XLA's CPU compiler (jax 0.10) aborts the process ("Invalid binary instruction opcode copy")
+    # on the bf16 train step once the expert/TSP/tensor/sequence schedules are in it; fp32 compiles.
+    scheduled = [a for a in ("expert", "tsp", "tensor", "sequence") if sizes[a] > 1]
+    if platform == "cpu" and scheduled and model.compute_dtype == "bfloat16":
+        return (f"model.compute_dtype=bfloat16 with mesh.{scheduled[0]} > 1 crashes XLA's CPU compiler; "
+                "use model.compute_dtype=float32 on CPU (GPUs take bfloat16)")
+    return None
+
+
 def build_mesh(sizes: dict[str, int], devices=None) -> Mesh:
     devices = list(devices if devices is not None else jax.devices())
     shape = tuple(sizes[a] for a in MESH_AXES)
@@ -96,5 +109,5 @@ def build_mesh(sizes: dict[str, int], devices=None) -> Mesh:
 def mesh_for(requested: dict[str, int], model: ModelConfig, micro_batch: int, seq_len: int, devices=None) -> Mesh:
     devices = list(devices if devices is not None else jax.devices())
     sizes = resolve_axis_sizes(requested, len(devices))
-    check_layout(sizes, model, micro_batch, seq_len)
+    check_layout(sizes, model, micro_batch, seq_len, devices[0].platform)
     return build_mesh(sizes, devices)
