@@ -8,7 +8,7 @@ with 8 KV heads so that tensor parallelism can reach 8 devices (ZAYA1 itself has
 which caps Megatron TP at 2 — TSP has no such cap). The TSP paper reports, for a 7B dense model
 at 128K on 8 MI300X, 38.8 GB per GPU with TSP against 70.0 GB with TP.
 
-    python tools/layout_memory.py                      # 32K context, writes benchmarks/layout_memory.{json,md}
+    python tools/layout_memory.py --seq-len 8192 --out benchmarks/layout_memory_8k    # the README's table
     python tools/layout_memory.py --seq-len 16384 --layouts tp,tsp --out /tmp/mem
 
 fp32, because XLA's CPU compiler aborts on the bf16 step with these schedules (see

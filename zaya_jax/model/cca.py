@@ -52,6 +52,17 @@ def l2_normalize(x: jax.Array, scale: float) -> jax.Array:
     return x * (scale / jnp.maximum(norm, jnp.finfo(jnp.float32).eps))
 
 
+def look_back(cfg: ModelConfig) -> int:
+    """Tokens before t that the layer reads at t: the two convolutions in series, and at least the
+    delayed value's one (a sequence shard's halo)."""
+    return max(cfg.cca_time0 - 1 + cfg.cca_time1 - 1, 1)
+
+
+def largest_shift(cfg: ModelConfig) -> int:
+    """The largest single shift the layer takes (the lags its "same document" masks cover)."""
+    return max(cfg.cca_time0, cfg.cca_time1, 2) - 1
+
+
 # The layer's parameters and their logical axes (conv weights are tap-major: depthwise [t0, C],
 # grouped [t1, heads, d_in, d_out], heads = [q heads ‖ k heads]).
 PARAM_AXES = {

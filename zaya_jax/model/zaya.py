@@ -13,7 +13,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from zaya_jax.config import ModelConfig
-from zaya_jax.model.cca import CCAttention
+from zaya_jax.model.cca import CCAttention, largest_shift
 from zaya_jax.model.moe import MoE
 from zaya_jax.model.norms import Affine, RMSNorm, ResidualMerge
 from zaya_jax.model.params import make_param, normal
@@ -58,7 +58,7 @@ class Zaya(nnx.Module):
         `remat` names a policy of `model/remat.py` applied to each block (training memory).
         """
         cfg = self.cfg
-        seq = sequence_info(input_ids.shape, segment_ids, positions, max_lag=max(cfg.cca_time0, cfg.cca_time1, 2) - 1)
+        seq = sequence_info(input_ids.shape, segment_ids, positions, max_lag=largest_shift(cfg))
         h = self.input_affine(jnp.take(self.embedding[...], input_ids, axis=0))
         router_state, choices = None, []
         run = block_runner(remat, self.compute_dtype)

@@ -48,11 +48,6 @@ def active() -> bool:
     return bool(axes_in_context(LAYOUT_AXES))
 
 
-def halo_rows(cfg) -> int:
-    """Tokens of the previous chunk that a chunk's first token depends on (convs, delayed value)."""
-    return max(cfg.cca_time0 - 1 + cfg.cca_time1 - 1, 1)
-
-
 def cca(params: dict, x, seq, cfg):
     """The CCA layer's output [B, S, H] in x's dtype; `params` as `CCAttention.params()`."""
     mesh = jax.sharding.get_abstract_mesh()
@@ -72,32 +67,40 @@ def _local_cca(x, segment_ids, positions, params, *, cfg, specs):
         params = _varying(params, specs)
     seq_axes = tuple(a for a in SEQUENCE_AXES if axis_size(a) > 1)
     chunk = x.shape[1]
-    halo = halo_rows(cfg) if seq_axes else 0
     rank = jax.lax.axis_index(seq_axes) if seq_axes else 0
-    if seq_axes:
-        x, segment_ids, positions = (jnp.concatenate([_from_previous(a[:, -halo:], seq_axes), a], axis=1)
-                                     for a in (x, segment_ids, positions))
-    index = rank * chunk - halo + jnp.arange(chunk + halo, dtype=jnp.int32)
-    info = sequence_info(x.shape[:2], segment_ids, positions, max(cfg.cca_time0, cfg.cca_time1, 2) - 1, index)
-    local_segments = segment_ids[:, halo:]
+    x, info, halo = _with_halo(x, segment_ids, positions, cfg, seq_axes, rank)
+    local_segments = info.segment_ids[:, halo:]
     key_segments = jax.lax.all_gather(local_segments, seq_axes, axis=1, tiled=True) if seq_axes else None
+
+    def attend(q, k, v):
+        if not seq_axes:
+            return kernels.flash_attention(q, k, v, segment_ids=local_segments, backend=cfg.attention_kernel)
+        k, v = (jax.lax.all_gather(t, seq_axes, axis=1, tiled=True) for t in (k, v))
+        return kernels.flash_attention(q, k, v, segment_ids=local_segments, kv_segment_ids=key_segments,
+                                       q_offset=rank * chunk, backend=cfg.attention_kernel)
 
     w, first, groups = _device_groups(params, specs, cfg, x.dtype)
     bucket = 1 if axis_size("tsp") > 1 else groups  # TSP: one KV group's weights resident at a time
     out = jnp.zeros((x.shape[0], chunk, x.shape[2]), jnp.float32)
     for start in range(0, groups, bucket):
         wb = _gather_bucket(cca_math.select_groups(w, start, bucket, cfg), specs)
-        q, k, v = cca_math.project(x, wb, info, cfg, first + start, drop=halo)
-        if seq_axes:
-            k, v = (jax.lax.all_gather(t, seq_axes, axis=1, tiled=True) for t in (k, v))
-            attn = kernels.flash_attention(q, k, v, segment_ids=local_segments, kv_segment_ids=key_segments,
-                                           q_offset=rank * chunk, backend=cfg.attention_kernel)
-        else:
-            attn = kernels.flash_attention(q, k, v, segment_ids=local_segments, backend=cfg.attention_kernel)
+        attn = attend(*cca_math.project(x, wb, info, cfg, first + start, drop=halo))
         out = out + jnp.einsum("bsnd,ndh->bsh", attn, wb["wo"], preferred_element_type=jnp.float32)
     if axis_size("tensor") > 1:
         out = jax.lax.psum(out, "tensor")
     return out.astype(x.dtype)
+
+
+def _with_halo(x, segment_ids, positions, cfg, seq_axes, rank):
+    """[previous chunk's last rows ‖ this chunk] of x, and its SequenceInfo with global indices
+    (the first chunk's halo lies before the sequence: nothing looks back into it)."""
+    chunk = x.shape[1]
+    halo = cca_math.look_back(cfg) if seq_axes else 0
+    if seq_axes:
+        x, segment_ids, positions = (jnp.concatenate([_from_previous(a[:, -halo:], seq_axes), a], axis=1)
+                                     for a in (x, segment_ids, positions))
+    index = rank * chunk - halo + jnp.arange(chunk + halo, dtype=jnp.int32)
+    return x, sequence_info(x.shape[:2], segment_ids, positions, cca_math.largest_shift(cfg), index), halo
 
 
 def _tracks_vma(cfg) -> bool:
@@ -134,8 +137,14 @@ def _varying(params: dict, specs: dict) -> dict:
     out = {}
     for name, leaf in params.items():
         missing = tuple(a for a in axes if a not in _axes(specs[name]))
-        out[name] = jax.lax.pcast(leaf, missing, to="varying") if missing else leaf
+        out[name] = _pvary(leaf, missing) if missing else leaf
     return out
+
+
+def _pvary(x, axes):
+    if hasattr(jax.lax, "pcast"):  # jax >= 0.8 spells it pcast(..., to="varying")
+        return jax.lax.pcast(x, axes, to="varying")
+    return jax.lax.pvary(x, axes)
 
 
 def _from_previous(rows, axes):

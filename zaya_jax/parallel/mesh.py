@@ -18,6 +18,7 @@ from jax.sharding import AxisType, Mesh
 from zaya_jax.config import ModelConfig
 from zaya_jax.errors import ZayaError
 from zaya_jax.kernels.registry import resolve as resolve_kernel
+from zaya_jax.model.cca import look_back
 from zaya_jax.parallel.axes import BATCH_AXES, MESH_AXES, SEQUENCE_AXES
 
 
@@ -56,7 +57,7 @@ def _first_problem(sizes, model: ModelConfig, micro_batch: int, seq_len: int) ->
     readers = math.prod(sizes[a] for a in BATCH_AXES)
     chunks = math.prod(sizes[a] for a in SEQUENCE_AXES)
     tsp, tensor = sizes["tsp"], sizes["tensor"]
-    halo = max(model.cca_time0 - 1 + model.cca_time1 - 1, 1)
+    halo = look_back(model)
     checks = [
         (micro_batch % readers == 0,
          f"each micro-batch has {micro_batch} sequences (train.global_batch_size / train.grad_accum_steps), "
