@@ -65,10 +65,12 @@ def _tensorboard_tags(path):
     (["--config.data.tokenizer=/nonexistent/tokenizer.json"], "/nonexistent/tokenizer.json", 1),
     (["--config.model.moe_kernel=triton"], "model.moe_kernel must be one of", 1),
     (["--config.model.attention_kernel=cudnn"], "cudnn attention backend needs an NVIDIA GPU", 1),
-    (["--config.mesh.expert=2", "--config.mesh.data=1", "--config.model.moe_kernel=pallas"],
-     "use model.moe_kernel=xla or mesh.expert=1", 2),
+    (["--config.mesh.tensor=4", "--config.mesh.data=2"],
+     "model.num_key_value_heads (2) is not divisible by mesh.tensor (4): CCA mixes the query heads", 8),
+    (["--config.mesh.sequence=2", "--config.mesh.data=1", "--config.model.compute_dtype=bfloat16"],
+     "crashes XLA's CPU compiler; use model.compute_dtype=float32 on CPU", 2),
 ], ids=["unknown-key", "mistyped-override", "mesh-vs-devices", "batch-vs-data-axes", "missing-data", "missing-tokenizer",
-        "unknown-kernel", "cudnn-without-nvidia", "pallas-experts-with-expert-axis"])
+        "unknown-kernel", "cudnn-without-nvidia", "kv-heads-vs-tensor", "bf16-layout-on-cpu"])
 def test_bad_inputs_are_one_line_errors(tmp_path, args, words, devices):
     result = zaya("train", f"--config={TINY}", f"--workdir={tmp_path / 'w'}", *args, devices=devices)
     _assert_clean_error(result, words)
@@ -131,3 +133,11 @@ def test_eval_batch_not_split_over_data_axes_fails_before_training(tmp_path):
                   "--config.eval.batch_size=3", devices=2)
     _assert_clean_error(result, "eval.batch_size (3) must be a multiple of the 2 data-parallel devices")
     assert not (tmp_path / "w" / "metrics.jsonl").exists()
+
+
+def test_layout_experiment_trains_on_fake_devices(tmp_path):
+    config = os.path.join(ROOT, "experiments", "layouts", "tsp4_data2.py")
+    result = zaya("train", f"--config={config}", f"--workdir={tmp_path / 'run'}", *QUICK, devices=8)
+    assert result.returncode == 0, result.stderr
+    assert "mesh    8 cpu device(s): data=2, tsp=4" in result.stdout
+

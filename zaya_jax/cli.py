@@ -57,6 +57,10 @@ config overrides (absl / ml_collections config_flags style), any number of:
   Keys: train.* eval.* checkpoint.* model.* (HF ZayaConfig names) mesh.* data.* optim.*;
   see zaya_jax/experiment/schema.py for every key and its default.
 
+layouts: mesh.data, mesh.fsdp, mesh.expert, mesh.tsp, mesh.tensor, mesh.sequence (1 = unused,
+  one may be -1 = the devices left), e.g. --config.mesh.tsp=4 --config.mesh.data=2;
+  ready-made ones in experiments/layouts/. Fake CPU devices: XLA_FLAGS=--xla_force_host_platform_device_count=8
+
 outputs in WORKDIR: metrics.jsonl (one JSON object per logged step), tensorboard/ (event files),
 model/ (the trained model: zaya_jax.load or zaya convert to-hf), checkpoints/ (the full train state:
 every checkpoint.every_steps, at the end and on SIGTERM/SIGINT; rerun the same command to resume)."""
