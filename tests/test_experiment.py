@@ -123,7 +123,7 @@ def test_mesh_resolution_and_layout_checks():
     (dict(tsp=4, fsdp=2), dict(hidden_size=132, num_attention_heads=4), r"hidden_size \(132\) is not divisible by mesh.fsdp x mesh.tsp \(8\)"),
     (dict(sequence=8), {}, r"train.seq_len \(100\) is not divisible by mesh.tsp x mesh.sequence \(8\)"),
     (dict(tsp=4, sequence=2), {}, "train.seq_len / .* = 1 tokens per chunk is shorter than CCA's look-back of 2"),
-    (dict(sequence=4, data=2), dict(attention_kernel="pallas"), "model.attention_kernel=pallas has no causal offset"),
+    (dict(sequence=4, data=2), dict(attention_kernel="cudnn"), "model.attention_kernel=cudnn takes no causal offset"),
 ])
 def test_impossible_layouts_are_refused_in_words(layout, overrides, words):
     sizes = resolve_axis_sizes({**dict(base_config().mesh), "data": 1, **layout}, 8)

@@ -89,3 +89,36 @@ def test_bad_shapes_are_named():
     q, k, v, _ = _inputs(1, 8, 4, 2, 16, jnp.float32)
     with pytest.raises(ValueError, match="segment_ids must be integer"):
         kernels.flash_attention(q, k, v, segment_ids=jnp.zeros((1, 9), jnp.int32))
+
+
+@pytest.mark.parametrize("backend", ["pallas", "xla"])
+@pytest.mark.parametrize("chunk,offset,doc_prob", [
+    (16, 0, 0.2),  # the first chunk: only its own keys are visible
+    (16, 48, 0.2),  # the last of four chunks of 64
+    (13, 26, None),  # not a block multiple, no documents
+    (8, 40, 0.5),  # a short chunk, many tiny documents
+])
+def test_sequence_sharded_queries_match_the_reference(backend, chunk, offset, doc_prob):
+    # Local queries of one sequence chunk against the all-gathered keys (the layouts' form):
+    # the result must be those rows of attention over the whole sequence.
+    total = offset + chunk + 11  # keys continue past the chunk
+    q, k, v, segments = _inputs(2, total, 4, 2, 16, jnp.float32, doc_prob, seed=offset)
+    rows = slice(offset, offset + chunk)
+    q_segments = None if segments is None else segments[:, rows]
+
+    def kernel(q, k, v):
+        return kernels.flash_attention(q[:, rows], k, v, segment_ids=q_segments, kv_segment_ids=segments,
+                                       q_offset=offset, backend=backend,
+                                       blocks=AttentionBlocks(16, 16, 16, 16, 4, 1))
+
+    def ref(q, k, v):
+        return reference.attention(q, k, v, segments)[:, rows]
+
+    check_values_and_grads(kernel, ref, (q, k, v), (0, 1, 2), jnp.float32,
+                           f"{backend} queries {rows.start}:{rows.stop} of {total}")
+
+
+def test_pallas_takes_only_a_static_offset():
+    q, k, v, _ = _inputs(1, 32, 4, 2, 16, jnp.float32)
+    with pytest.raises(ValueError, match="q_offset as a Python int"):
+        jax.jit(lambda o: kernels.flash_attention(q[:, :16], k, v, q_offset=o, backend="pallas"))(16)

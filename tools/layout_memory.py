@@ -15,8 +15,8 @@ fp32, because XLA's CPU compiler aborts on the bf16 step with these schedules (s
 `parallel/mesh.py`); relative sizes are what the study compares. Megatron TP here shards heads and
 expert widths only (the embedding, norms and router stay whole on each device, as in our rules).
 Attention here is the `xla` backend, which materialises each device's [heads, queries, keys]
-logits (the Pallas kernel takes no sequence-sharded queries yet): those temporaries are part of
-what is compared.
+logits (on CPU the Pallas kernel runs in interpret mode, whose buffers say nothing about a GPU):
+those temporaries are part of what is compared.
 """
 
 from __future__ import annotations

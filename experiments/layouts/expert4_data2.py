@@ -22,6 +22,5 @@ def get_config():
     config.train.steps = 100
     config.eval.every_steps = 50
     config.train.hardware = "auto"  # the MFU denominator of whatever runs it
-    config.model.attention_kernel = "xla"  # takes sequence-sharded queries on CPU and GPU (Pallas does not yet)
     config.mesh.expert = 4
     return config

@@ -23,6 +23,5 @@ def get_config():
     config.train.steps = 100
     config.eval.every_steps = 50
     config.train.hardware = "auto"  # the MFU denominator of whatever runs it
-    config.model.attention_kernel = "xla"  # takes sequence-sharded queries on CPU and GPU (Pallas does not yet)
     config.mesh.tsp = 8
     return config

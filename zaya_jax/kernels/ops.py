@@ -20,20 +20,22 @@ def flash_attention(q, k, v, *, segment_ids=None, causal=True, scale=None, backe
     Query head i reads KV head i // (nq / nk). `segment_ids` (int32 [B, S]) restricts each query
     to keys of its own packed document. `scale` defaults to d^-1/2.
 
-    Sequence-sharded form (`reference` and `xla` backends): q holds Sq rows at sequence index
-    `q_offset` + i (int or traced scalar) against Sk keys, `kv_segment_ids` [B, Sk] labels the keys.
+    Sequence-sharded form: q holds Sq rows at sequence index `q_offset` + i against Sk keys, and
+    `kv_segment_ids` [B, Sk] labels the keys. `q_offset` may be traced for `reference`/`xla`; the
+    `pallas` kernel needs a Python int (cuDNN takes neither).
     """
     sharded = q_offset is not None or kv_segment_ids is not None
     _check_attention(q, k, v, segment_ids, kv_segment_ids, sharded)
     backend = resolve("attention", backend)
-    if sharded and backend == "pallas":
-        raise ValueError("the pallas attention kernel has no query offset yet; use backend 'xla' for "
-                         "sequence-sharded queries")
     if backend == "pallas":
         from zaya_jax.kernels import pallas_attention
 
+        if not isinstance(q_offset, (int, type(None))):
+            raise ValueError("the pallas backend takes q_offset as a Python int (it shapes the kernel's loops); "
+                             "branch over the possible offsets, e.g. with lax.switch")
         return pallas_attention.flash_attention(q, k, v, segment_ids, causal=causal, scale=scale, blocks=blocks,
-                                                interpret=interpret_mode(interpret))
+                                                interpret=interpret_mode(interpret), kv_segment_ids=kv_segment_ids,
+                                                q_offset=q_offset or 0)
     if backend == "reference":
         return reference.attention(q, k, v, segment_ids, causal=causal, scale=scale, kv_segment_ids=kv_segment_ids,
                                    q_offset=0 if q_offset is None else q_offset)

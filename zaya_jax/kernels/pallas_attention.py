@@ -7,6 +7,10 @@ block for dq and one per key block for dk/dv, which walks every query head of it
 GQA needs no repeated K/V and no reduction afterwards. Both recompute probabilities from the
 saved log-sum-exp. Sequences are zero-padded to the block size; padded keys are masked and
 padded query rows sliced off.
+
+Sequence-sharded form: the queries may be a shorter run of rows starting at sequence index
+`q_offset` (a static int) among all the keys — a sequence shard's local queries against the
+all-gathered K/V. The causal limit moves with the offset, so blocks past it are still skipped.
 """
 
 from __future__ import annotations
@@ -33,8 +37,10 @@ class _Plan:
 
     causal: bool
     scale: float
-    seq: int  # real sequence length
-    seq_pad: int  # padded to a multiple of every block
+    seq: int  # real key length
+    seq_pad: int  # keys padded to a multiple of every block
+    q_seq_pad: int  # queries padded likewise
+    q_offset: int  # sequence index of query row 0
     groups: int  # query heads per KV head
     segments: bool
     blocks: AttentionBlocks
@@ -50,7 +56,7 @@ class _Plan:
         """[bq, bk] visibility, or None when everything is visible."""
         parts = []
         if self.causal:
-            parts.append(q_idx[:, None] >= k_idx[None, :])
+            parts.append(q_idx[:, None] + self.q_offset >= k_idx[None, :])
         if self.seq_pad != self.seq:
             parts.append(jnp.broadcast_to((k_idx < self.seq)[None, :], (q_idx.shape[0], k_idx.shape[0])))
         if self.segments:
@@ -65,22 +71,31 @@ class _Plan:
         )(*args)
 
 
-def flash_attention(q, k, v, segment_ids=None, *, causal=True, scale=None, blocks=None, interpret=False):
-    """Pallas flash attention; same contract as `kernels.reference.attention`."""
-    batch, seq, nq, dim = q.shape
-    nk = k.shape[2]
-    blocks = _fit_blocks(blocks or blocks_for("attention"), seq)
-    pad = _round_up(seq, max(blocks.block_q, blocks.block_k, blocks.block_q_bwd, blocks.block_k_bwd)) - seq
+def flash_attention(q, k, v, segment_ids=None, *, causal=True, scale=None, blocks=None, interpret=False,
+                    kv_segment_ids=None, q_offset: int = 0):
+    """Pallas flash attention; same contract as `kernels.reference.attention` (`q_offset` static)."""
+    q_seq, nq, dim = q.shape[1:]
+    seq, nk = k.shape[1:3]
+    blocks = _fit_blocks(blocks or blocks_for("attention"), max(seq, q_seq))
+    multiple = max(blocks.block_q, blocks.block_k, blocks.block_q_bwd, blocks.block_k_bwd)
     plan = _Plan(causal=bool(causal), scale=float(dim ** -0.5 if scale is None else scale), seq=seq,
-                 seq_pad=seq + pad, groups=nq // nk, segments=segment_ids is not None, blocks=blocks,
-                 interpret=bool(interpret),
+                 seq_pad=_round_up(seq, multiple), q_seq_pad=_round_up(q_seq, multiple), q_offset=int(q_offset),
+                 groups=nq // nk, segments=segment_ids is not None, blocks=blocks, interpret=bool(interpret),
                  precision=lax.Precision.HIGHEST if q.dtype == jnp.float32 else None)
-    if pad:
-        q, k, v = (jnp.pad(t, ((0, 0), (0, pad), (0, 0), (0, 0))) for t in (q, k, v))
-        if segment_ids is not None:
-            segment_ids = jnp.pad(segment_ids, ((0, 0), (0, pad)), constant_values=-1)
+    if segment_ids is not None:
+        segment_ids = (_pad_rows(segment_ids, plan.q_seq_pad, -1),
+                       _pad_rows(segment_ids if kv_segment_ids is None else kv_segment_ids, plan.seq_pad, -1))
+    q = _pad_rows(q, plan.q_seq_pad)
+    k, v = (_pad_rows(t, plan.seq_pad) for t in (k, v))
     out = _attention(q, k, v, segment_ids, plan)
-    return out[:, :seq]
+    return out[:, :q_seq]
+
+
+def _pad_rows(x, length: int, value=0):
+    pad = length - x.shape[1]
+    if not pad:
+        return x
+    return jnp.pad(x, ((0, 0), (0, pad)) + ((0, 0),) * (x.ndim - 2), constant_values=value)
 
 
 def _fit_blocks(blocks: AttentionBlocks, seq: int) -> AttentionBlocks:
@@ -123,7 +138,7 @@ def _forward(q, k, v, segment_ids, plan: _Plan):
     batch, seq, nq, _ = q.shape
     row, kv, stat, segments = _query_block_specs(plan, q.shape)
     return plan.call(_forward_kernel, (seq // plan.blocks.block_q, batch, nq),
-                     [row, kv, kv] + segments, [q, k, v] + [segment_ids] * len(segments),
+                     [row, kv, kv] + segments, [q, k, v] + list(segment_ids or ()),
                      [row, stat], [jax.ShapeDtypeStruct(q.shape, q.dtype),
                                    jax.ShapeDtypeStruct((batch, nq, seq), jnp.float32)])
 
@@ -131,7 +146,7 @@ def _forward(q, k, v, segment_ids, plan: _Plan):
 def _query_block_specs(plan: _Plan, q_shape):
     """Specs for a grid over (query block, batch, query head): the query rows, their KV head's
     whole sequence, per-row statistics, and the query/key segment ids (none without segments)."""
-    seq, dim = q_shape[1], q_shape[3]
+    seq, dim = plan.seq_pad, q_shape[3]
     bq, g = plan.blocks.block_q, plan.groups
     row = pl.BlockSpec((None, bq, None, dim), lambda i, b, h: (b, i, h, 0))
     kv = pl.BlockSpec((None, seq, None, dim), lambda i, b, h: (b, 0, h // g, 0))
@@ -184,7 +199,7 @@ def _key_steps(plan: _Plan, i):
     last = pl.cdiv(plan.seq, bk)
     if not plan.causal:
         return last
-    return jnp.minimum(lax.div((i + 1) * bq + bk - 1, bk), last)
+    return jnp.minimum(lax.div((i + 1) * bq + plan.q_offset + bk - 1, bk), last)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -196,7 +211,7 @@ def _backward_dq(q, k, v, segment_ids, dout, lse, delta, plan: _Plan):
     row, kv, stat, segments = _query_block_specs(plan, q.shape)
     return plan.call(_dq_kernel, (seq // plan.blocks.block_q, batch, nq),
                      [row, kv, kv, row, stat, stat] + segments,
-                     [q, k, v, dout, lse, delta] + [segment_ids] * len(segments),
+                     [q, k, v, dout, lse, delta] + list(segment_ids or ()),
                      row, jax.ShapeDtypeStruct(q.shape, q.dtype))
 
 
@@ -224,7 +239,7 @@ def _dq_kernel(*refs, plan: _Plan):
 
 
 def _backward_dkv(q, k, v, segment_ids, dout, lse, delta, plan: _Plan):
-    batch, seq, nq, dim = q.shape
+    batch, seq, nq, dim = q.shape  # seq: the (padded) query rows
     nk, g = k.shape[2], plan.groups
     bk = plan.blocks.block_k_bwd
     # Views with the KV group as its own axis, so one program reads all of its group's heads.
@@ -238,8 +253,8 @@ def _backward_dkv(q, k, v, segment_ids, dout, lse, delta, plan: _Plan):
     if plan.segments:
         in_specs += [pl.BlockSpec((None, seq), lambda j, b, h: (b, 0)),
                      pl.BlockSpec((None, bk), lambda j, b, h: (b, j))]
-        args += [segment_ids, segment_ids]
-    return plan.call(_dkv_kernel, (seq // bk, batch, nk), in_specs, args, [kv_spec, kv_spec],
+        args += list(segment_ids)
+    return plan.call(_dkv_kernel, (plan.seq_pad // bk, batch, nk), in_specs, args, [kv_spec, kv_spec],
                      [jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)])
 
 
@@ -253,7 +268,7 @@ def _dkv_kernel(*refs, plan: _Plan):
     k_idx = j * bk + jnp.arange(bk)
     k_seg = k_seg_ref[...] if plan.segments else None
     # Causal: query blocks strictly before this key block see none of it.
-    first = lax.div(j * bk, bq) if plan.causal else 0
+    first = jnp.maximum(lax.div(j * bk - plan.q_offset, bq), 0) if plan.causal else 0
     dk = jnp.zeros(k_blk.shape, jnp.float32)
     dv = jnp.zeros(v_blk.shape, jnp.float32)
     for head in range(plan.groups):  # static: the query heads of this KV group
@@ -269,7 +284,7 @@ def _dkv_kernel(*refs, plan: _Plan):
             ds = p * (plan.dot(do, v_blk, (1, 1)) - delta[:, None])
             return dk + plan.dot(ds.astype(q.dtype), q, (0, 0)), dv
 
-        dk, dv = lax.fori_loop(first, plan.seq_pad // bq, step, (dk, dv))
+        dk, dv = lax.fori_loop(first, plan.q_seq_pad // bq, step, (dk, dv))
     dk_ref[...] = (dk * plan.scale).astype(dk_ref.dtype)
     dv_ref[...] = dv.astype(dv_ref.dtype)
 

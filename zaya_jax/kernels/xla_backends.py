@@ -22,7 +22,7 @@ def attention(q, k, v, segment_ids=None, *, causal=True, scale=None, implementat
         # Queries offset against a longer key sequence: the causal part joins the dense mask.
         if implementation == "cudnn":
             raise ZayaError("the cudnn attention backend takes no query offset (sequence-sharded queries); "
-                            "use the 'xla' attention backend with mesh.tsp or mesh.sequence > 1")
+                            "use the pallas or xla attention backend with mesh.tsp or mesh.sequence > 1")
         mask = reference.attention_mask(q.shape[0], q.shape[1], k.shape[1], segment_ids, kv_segment_ids,
                                         causal, 0 if q_offset is None else q_offset)
         return jax.nn.dot_product_attention(q, k, v, mask=mask[:, None], scale=scale, implementation=implementation)

@@ -76,8 +76,7 @@ def _local_cca(x, segment_ids, positions, params, *, cfg, specs):
         if not seq_axes:
             return kernels.flash_attention(q, k, v, segment_ids=local_segments, backend=cfg.attention_kernel)
         k, v = (jax.lax.all_gather(t, seq_axes, axis=1, tiled=True) for t in (k, v))
-        return kernels.flash_attention(q, k, v, segment_ids=local_segments, kv_segment_ids=key_segments,
-                                       q_offset=rank * chunk, backend=cfg.attention_kernel)
+        return _offset_attention(q, k, v, local_segments, key_segments, rank, chunk, cfg.attention_kernel)
 
     w, first, groups = _device_groups(params, specs, cfg, x.dtype)
     bucket = 1 if axis_size("tsp") > 1 else groups  # TSP: one KV group's weights resident at a time
@@ -89,6 +88,19 @@ def _local_cca(x, segment_ids, positions, params, *, cfg, specs):
     if axis_size("tensor") > 1:
         out = jax.lax.psum(out, "tensor")
     return out.astype(x.dtype)
+
+
+def _offset_attention(q, k, v, segments, key_segments, rank, chunk, backend):
+    """Local queries (chunk `rank`) against all keys. Pallas shapes its loops by the offset, so it
+    gets one static branch per chunk; the others take the traced offset."""
+    def at(offset):
+        return kernels.flash_attention(q, k, v, segment_ids=segments, kv_segment_ids=key_segments,
+                                       q_offset=offset, backend=backend)
+
+    if resolve("attention", backend) != "pallas":
+        return at(rank * chunk)
+    chunks = k.shape[1] // chunk
+    return jax.lax.switch(rank, [lambda r=r: at(r * chunk) for r in range(chunks)])
 
 
 def _with_halo(x, segment_ids, positions, cfg, seq_axes, rank):

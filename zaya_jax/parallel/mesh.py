@@ -17,7 +17,6 @@ from jax.sharding import AxisType, Mesh
 
 from zaya_jax.config import ModelConfig
 from zaya_jax.errors import ZayaError
-from zaya_jax.kernels.registry import resolve as resolve_kernel
 from zaya_jax.model.cca import look_back
 from zaya_jax.parallel.axes import BATCH_AXES, MESH_AXES, SEQUENCE_AXES
 
@@ -83,9 +82,9 @@ def _first_problem(sizes, model: ModelConfig, micro_batch: int, seq_len: int) ->
         (chunks == 1 or seq_len // chunks >= halo,
          f"train.seq_len / (mesh.tsp x mesh.sequence) = {seq_len // chunks} tokens per chunk is shorter than "
          f"CCA's look-back of {halo} tokens; use fewer sequence chunks or longer sequences"),
-        (chunks == 1 or resolve_kernel("attention", model.attention_kernel) not in ("pallas", "cudnn"),
-         f"model.attention_kernel={resolve_kernel('attention', model.attention_kernel)} has no causal offset for "
-         "sequence-sharded queries yet (mesh.tsp or mesh.sequence > 1); use model.attention_kernel=xla"),
+        (chunks == 1 or model.attention_kernel != "cudnn",
+         "model.attention_kernel=cudnn takes no causal offset for sequence-sharded queries (mesh.tsp or "
+         "mesh.sequence > 1); use model.attention_kernel=pallas or xla"),
     ]
     return next((message for ok, message in checks if not ok), None)
 
