@@ -1,14 +1,8 @@
 """Tensor x sequence: Megatron tensor parallelism over 2 devices (one KV group each, experts split
 on their width, one all-reduce per sublayer) times 4-way sequence parallelism.
 
-The tiny CPU model (`experiments/tiny_cpu.py`) with sequences of 256 tokens, laid out as tensor=2, sequence=4.
-On one machine without GPUs, fake 8 devices:
-
-    XLA_FLAGS=--xla_force_host_platform_device_count=8 \\
-        zaya train --config=experiments/layouts/tensor2_sequence4.py --workdir=/tmp/zaya_tensor2_sequence4
-
-On GPUs the same file runs as is; `mesh.data` is -1 and takes the devices the layout leaves.
-Every layout trains like one device (tests/test_train_step.py, tests/test_layouts.py).
+    XLA_FLAGS=--xla_force_host_platform_device_count=8 zaya train --config=experiments/layouts/tensor2_sequence4.py \\
+        --workdir=/tmp/zaya_tensor2_sequence4
 """
 
 import os
@@ -17,11 +11,7 @@ from zaya_jax.experiment import config_from_file
 
 
 def get_config():
-    config = config_from_file(os.path.join(os.path.dirname(__file__), os.pardir, "tiny_cpu.py"))
-    config.train.seq_len = 256
-    config.train.steps = 100
-    config.eval.every_steps = 50
-    config.train.hardware = "auto"  # the MFU denominator of whatever runs it
+    config = config_from_file(os.path.join(os.path.dirname(__file__), "base.py"))
     config.mesh.tensor = 2
     config.mesh.sequence = 4
     return config
