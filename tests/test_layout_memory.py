@@ -16,7 +16,7 @@ def _run(*args):
 
 def test_small_study_writes_the_table(tmp_path):
     out = tmp_path / "mem"
-    result = _run("--seq-len", "256", "--layers", "1", "--layouts", "sp,tsp", "--out", str(out))
+    result = _run("--seq-len", "128", "--layers", "1", "--hidden", "512", "--layouts", "sp,tsp", "--out", str(out))
     assert result.returncode == 0, result.stderr
     rows = {r["layout"]: r for r in json.loads((tmp_path / "mem.json").read_text())["rows"]}
     # Same activations split 8 ways, but SP keeps every weight and its optimizer state whole.

@@ -43,13 +43,15 @@ def parse_args(argv):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--seq-len", type=int, default=32768, help="tokens per sequence (default 32768)")
     parser.add_argument("--layers", type=int, default=4, help="CCA + MoE blocks (default 4)")
+    parser.add_argument("--hidden", type=int, default=STUDY_MODEL["hidden_size"],
+                        help=f"hidden size (default {STUDY_MODEL['hidden_size']}); the heads keep head_dim 128")
     parser.add_argument("--layouts", default=",".join(LAYOUTS), help=f"comma-separated, of {', '.join(LAYOUTS)}")
     parser.add_argument("--out", default="benchmarks/layout_memory", help="writes OUT.json and OUT.md")
     return parser.parse_args(argv)
 
 
-def overrides(seq_len: int, layers: int, mesh: dict) -> list[str]:
-    values = {f"model.{k}": v for k, v in STUDY_MODEL.items()}
+def overrides(seq_len: int, layers: int, hidden: int, mesh: dict) -> list[str]:
+    values = {f"model.{k}": v for k, v in dict(STUDY_MODEL, hidden_size=hidden).items()}
     values.update({"model.num_hidden_layers": layers, "model.max_position_embeddings": seq_len,
                    "train.seq_len": seq_len, "train.global_batch_size": 1, "train.remat": "full",
                    "train.loss_vocab_chunk": 8192, "mesh.data": 1})
@@ -65,8 +67,9 @@ def main(argv=None) -> int:
         print(f"layout_memory: error: unknown layout {unknown[0] if unknown else '(none)'}; choose from "
               f"{', '.join(LAYOUTS)}", file=sys.stderr)
         return 2
-    if args.seq_len < 64 or args.layers < 1:
-        print("layout_memory: error: --seq-len must be >= 64 and --layers >= 1", file=sys.stderr)
+    if args.seq_len < 64 or args.layers < 1 or args.hidden < 64 or args.hidden % 64:
+        print("layout_memory: error: --seq-len must be >= 64, --layers >= 1 and --hidden a multiple of 64",
+              file=sys.stderr)
         return 2
     os.environ["JAX_PLATFORMS"] = "cpu"
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
@@ -80,7 +83,7 @@ def main(argv=None) -> int:
     rows = []
     for name in names:
         try:
-            program = build_program(load_experiment(BASE, overrides(args.seq_len, args.layers, LAYOUTS[name])))
+            program = build_program(load_experiment(BASE, overrides(args.seq_len, args.layers, args.hidden, LAYOUTS[name])))
         except ZayaError as e:
             print(f"layout_memory: error: {name}: {e}", file=sys.stderr)
             return 2
@@ -88,7 +91,8 @@ def main(argv=None) -> int:
         rows.append({"layout": name, "mesh": LAYOUTS[name], "compile_sec": report["compile_sec"],
                      **report["per_device_bytes"]})
         print(f"compiled {name} in {report['compile_sec']}s", flush=True)
-    result = {"seq_len": args.seq_len, "layers": args.layers, "model": STUDY_MODEL, "devices": 8, "rows": rows}
+    model = dict(STUDY_MODEL, hidden_size=args.hidden)
+    result = {"seq_len": args.seq_len, "layers": args.layers, "model": model, "devices": 8, "rows": rows}
     table = format_table(result)
     print(table)
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)

@@ -148,6 +148,8 @@ def select_groups(w: dict[str, jax.Array], first, count: int, cfg: ModelConfig, 
     """KV groups [first, first + count) of the group-major entries `names` (default all);
     `first` may be traced (a device's rank)."""
     g, d = cfg.kv_groups, cfg.head_dim
+    if isinstance(first, int) and first == 0 and count == w["wk"].shape[1] and names is None:
+        return w  # every group this array holds
     out = dict(w)
     for name in names or w:
         axis, width = GROUP_AXES[name]
@@ -168,8 +170,13 @@ def project(x: jax.Array, w: dict[str, jax.Array], seq: SequenceInfo, cfg: Model
     q_lat = jnp.einsum("bsh,hnd->bsnd", x, w["wq"])
     k_lat = jnp.einsum("bsh,hnd->bsnd", x, w["wk"])
     q_res, k_res = _mean_residuals(q_lat, k_lat, cfg.kv_groups)
-    q = _convolve(q_lat, w["dw_q"], w["db_q"], w["cg_q"], w["cgb_q"], seq).astype(jnp.float32) + q_res
-    k = _convolve(k_lat, w["dw_k"], w["db_k"], w["cg_k"], w["cgb_k"], seq).astype(jnp.float32) + k_res
+    # One pass of both convolutions over [q̃ ‖ k̃]: per channel and per head, so the q and k
+    # weight slices simply sit side by side again.
+    taps = [jnp.concatenate([w[f"{name}_q"], w[f"{name}_k"]], axis=GROUP_AXES[f"{name}_q"][0])
+            for name in ("dw", "db", "cg", "cgb")]
+    mixed = _convolve(jnp.concatenate([q_lat, k_lat], axis=2), *taps, seq).astype(jnp.float32)
+    nq = q_lat.shape[2]
+    q, k = mixed[:, :, :nq] + q_res, mixed[:, :, nq:] + k_res
     v = _values(x, w["wv"], seq, first_group * d, cfg.value_half)
     q, k, v = q[:, drop:], k[:, drop:], v[:, drop:]
 
@@ -215,6 +222,9 @@ def _values(x: jax.Array, wv: jax.Array, seq: SequenceInfo, first_column, value_
     """Columns of [x_t Wvc ‖ x_{t-1} Wvd] starting at `first_column`: those at or past `value_half`
     are delayed, and zero at each document start."""
     v = x @ wv
+    if isinstance(first_column, int):  # static: lag only the delayed columns
+        split = min(max(value_half - first_column, 0), v.shape[-1])
+        return jnp.concatenate([v[..., :split], _masked_lag(v[..., split:], 1, seq)], axis=-1)
     delayed = first_column + jnp.arange(v.shape[-1]) >= value_half
     return jnp.where(delayed, _masked_lag(v, 1, seq), v)
 
