@@ -28,3 +28,10 @@ def test_unknown_layout_is_one_line():
     result = _run("--layouts", "tp,zigzag")
     assert result.returncode == 2
     assert result.stderr.strip() == "layout_memory: error: unknown layout zigzag; choose from tp, sp, tp2_sp4, tp4_sp2, tsp"
+
+
+def test_bad_sizes_are_one_line():
+    result = _run("--hidden", "100")
+    assert result.returncode == 2
+    assert result.stderr.strip() == ("layout_memory: error: --seq-len must be >= 64, --layers >= 1 and --hidden a "
+                                     "multiple of 64")
