@@ -45,6 +45,9 @@ def build_parser() -> argparse.ArgumentParser:
     for p in (from_hf, to_hf):
         p.add_argument("--quiet", action="store_true", help="no progress bar")
     _add_train(jobs)
+    from zaya_jax.explore.command import add_parser as add_mesh
+
+    add_mesh(jobs)
     return parser
 
 
@@ -76,6 +79,10 @@ def _add_train(jobs) -> None:
 
 
 def run(args: argparse.Namespace, extra: list[str]) -> int:
+    if args.command == "mesh":
+        from zaya_jax.explore.command import run as run_mesh
+
+        return run_mesh(args, extra)
     if args.command == "train":
         from zaya_jax.experiment import load_experiment
         from zaya_jax.train.loop import train

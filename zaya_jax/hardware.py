@@ -1,19 +1,39 @@
-"""Hardware numbers: the project's one table of accelerator peaks.
+"""Hardware numbers: the project's one table of accelerator peaks, efficiencies and links.
 
-Owns `HardwareProfile` and `PROFILES`. Everything else that needs a hardware number (the
-training MFU now, the mesh-layout explorer's link bandwidths later) reads it from here, so a
-corrected datasheet figure changes in exactly one place.
+Owns `HardwareProfile` and `PROFILES`. Everything that needs a hardware number (the training
+MFU, the mesh-layout explorer's compute and link model) reads it from here, so a corrected
+datasheet figure changes in exactly one place. Per device (one GPU), not per node.
 
-Sources (summarised in `shared/reference/mesh_explorer.md` §2 and §5.5):
-* MI300X: AMD Instinct MI300X datasheet: 1307.4 TFLOP/s dense BF16 (2614.9 with sparsity),
-  192 GB HBM3, 5.3 TB/s (theoretical; AMD staff say real tests do not reach it).
+Peaks and memory (summarised in `shared/reference/mesh_explorer.md` §2 and §5.5):
+* MI300X: AMD Instinct MI300X datasheet: 1307.4 TFLOP/s dense BF16 (2.1 GHz x 1216 matrix cores
+  x 512 FLOP/clk), 192 GB HBM3, 5.3 TB/s.
 * MI325X: AMD product page: same CDNA3 compute as MI300X, 256 GB HBM3E, 6.0 TB/s.
-* MI355X: AMD CDNA4 whitepaper / MI355X datasheet: ≈2.5 PFLOP/s dense BF16 (2516.6),
-  288 GB HBM3E, 8.0 TB/s.
-* H100 SXM: NVIDIA H100 datasheet: 989.4 TFLOP/s dense BF16, 80 GB HBM3, 3.35 TB/s.
-* H200 SXM: NVIDIA H200 datasheet: 989.4 TFLOP/s dense BF16, 141 GB HBM3E, 4.8 TB/s.
-* cpu: NOT a measurement. A nominal 1 TFLOP/s per device so that MFU is defined (and the
-  code path exercised) on CPU; `nominal=True` marks it and MFU from it means nothing.
+* MI355X: AMD MI355X product page / CDNA4 whitepaper: 2516.6 TFLOP/s dense BF16 (2.4 GHz x
+  1024 x 1024; AMD rounds it to 2.5 PF; 2.3 PF is the MI350X), 288 GB HBM3E, 8.0 TB/s.
+* H100 SXM / H200 SXM: NVIDIA datasheets: 989.4 TFLOP/s dense BF16; 80 GB HBM3 at 3.35 TB/s /
+  141 GB HBM3E at 4.8 TB/s.
+
+Derating (`compute_efficiency`, the share of the peak a large BF16 GEMM reaches):
+* MI300X 0.54 and MI325X 0.645: AMD ROCm blog "Measuring Max-Achievable FLOPs, Part 2" (hipBLASLt
+  maximum achievable 708 and 843 TFLOP/s).
+* MI355X 0.62, H100/H200 0.80: best measured BF16 matmul (1565 and 794.5 TFLOP/s) in
+  stas00/ml-engineering `compute/accelerator/README.md`.
+
+Links (`scale_up` "mesh": `peer_links` point-to-point links of `link_gb_per_s` each, a group of k
+devices in a node uses k-1 of them; "switch": every device gets `link_gb_per_s` to any peer):
+* MI300X / MI325X: full xGMI mesh, 7 links at 64 GB/s per direction raw, 48 usable (RCCL's
+  topology constant, ROCm/rccl#1210; ROCm blog "Understanding RCCL Bandwidth and xGMI
+  Performance on MI300X": 8-GPU all-reduce busbw 305-319 GB/s at 256 MiB-16 GiB of 336 usable,
+  hence `link_efficiency` 0.9; small all-reduce about 13 us).
+* MI355X: 7 links, about 153 GB/s bidirectional each (AMD); 57 usable per direction is our
+  estimate (MI300X's usable/raw 48/64 applied to 76.5). Uncalibrated.
+* H100 / H200: NVSwitch, 450 GB/s per direction line rate, about 370 measured busbw for 8 GPUs
+  (NVIDIA/nccl-tests#212, #272, #290), hence 0.82.
+* Scale-out: one 400 Gb/s NIC per GPU (Pollara 400 on ZAYA1's rails-only IBM cluster; ConnectX-7
+  NDR on NVIDIA nodes) = 50 GB/s per direction; 46-48 measured (nccl-tests#290), hence 0.94.
+  Inter-node latency per ring step 10 us (order of NCCL's per-hop network constants).
+* cpu: NOT a measurement. Nominal numbers (1 TFLOP/s per device, 32 GB, 10 GB/s links) so MFU
+  and the explorer's code paths are defined on CPU; `nominal=True` marks it.
 """
 
 from __future__ import annotations
@@ -33,19 +53,31 @@ class HardwareProfile:
     hbm_gb: float
     hbm_tb_per_s: float
     source: str
+    compute_efficiency: float  # share of the peak that large BF16 GEMMs reach (measured)
+    scale_up: str  # "mesh" (point-to-point links to each peer) | "switch" (NVSwitch)
+    peer_links: int  # links per device inside a node (1 for a switch: one port to all)
+    link_gb_per_s: float  # usable GB/s per direction per link (switch: per device)
+    link_efficiency: float  # share of the usable link rate large collectives reach
+    scale_out_gb_per_s: float = 50.0  # NIC per device per direction (400 Gb/s)
+    nic_efficiency: float = 0.94
+    latency_us_intra: float = 13.0  # one small collective inside a node
+    latency_us_inter: float = 10.0  # per ring step across nodes
     nominal: bool = False  # True: a placeholder, not a datasheet figure
 
 
 PROFILES: dict[str, HardwareProfile] = {
     p.name: p
     for p in (
-        HardwareProfile("mi300x", 1307.4, 192, 5.3, "AMD Instinct MI300X datasheet"),
-        HardwareProfile("mi325x", 1307.4, 256, 6.0, "AMD Instinct MI325X product page"),
-        HardwareProfile("mi355x", 2516.6, 288, 8.0, "AMD CDNA4 whitepaper / MI355X datasheet (~2.5 PF dense BF16)"),
-        HardwareProfile("h100", 989.4, 80, 3.35, "NVIDIA H100 SXM datasheet"),
-        HardwareProfile("h200", 989.4, 141, 4.8, "NVIDIA H200 SXM datasheet"),
-        HardwareProfile("cpu", 1.0, 0, 0.0, "nominal 1 TFLOP/s so MFU is defined on CPU; not a measurement",
-                        nominal=True),
+        HardwareProfile("mi300x", 1307.4, 192, 5.3, "AMD Instinct MI300X datasheet", 0.54, "mesh", 7, 48.0, 0.9),
+        HardwareProfile("mi325x", 1307.4, 256, 6.0, "AMD Instinct MI325X product page", 0.645, "mesh", 7, 48.0, 0.9),
+        HardwareProfile("mi355x", 2516.6, 288, 8.0, "AMD MI355X product page / CDNA4 whitepaper (~2.5 PF dense BF16)",
+                        0.62, "mesh", 7, 57.0, 0.9),
+        HardwareProfile("h100", 989.4, 80, 3.35, "NVIDIA H100 SXM datasheet", 0.80, "switch", 1, 450.0, 0.82,
+                        latency_us_intra=8.0),
+        HardwareProfile("h200", 989.4, 141, 4.8, "NVIDIA H200 SXM datasheet", 0.80, "switch", 1, 450.0, 0.82,
+                        latency_us_intra=8.0),
+        HardwareProfile("cpu", 1.0, 32, 0.1, "nominal 1 TFLOP/s so MFU is defined on CPU; not a measurement",
+                        1.0, "switch", 1, 10.0, 1.0, scale_out_gb_per_s=1.0, nic_efficiency=1.0, nominal=True),
     )
 }
 

@@ -18,8 +18,7 @@ from jax.sharding import AxisType, Mesh
 from zaya_jax.config import ModelConfig
 from zaya_jax.errors import ZayaError
 from zaya_jax.model.cca import look_back
-from zaya_jax.parallel.axes import BATCH_AXES, MESH_AXES, SEQUENCE_AXES
-
+from zaya_jax.parallel.axes import BATCH_AXES, MESH_AXES, PLACEMENT, SEQUENCE_AXES
 
 
 def resolve_axis_sizes(requested: dict[str, int], num_devices: int) -> dict[str, int]:
@@ -100,9 +99,11 @@ def _compiler_limits(sizes, model: ModelConfig, platform: str) -> str | None:
 
 
 def build_mesh(sizes: dict[str, int], devices=None) -> Mesh:
+    """Devices laid out in `PLACEMENT` order (a node's devices share the inner axes), then the
+    grid transposed to `MESH_AXES` order, which the shardings name."""
     devices = list(devices if devices is not None else jax.devices())
-    shape = tuple(sizes[a] for a in MESH_AXES)
-    grid = np.asarray(devices, dtype=object).reshape(shape)
+    placed = np.asarray(devices, dtype=object).reshape(tuple(sizes[a] for a in PLACEMENT))
+    grid = placed.transpose([PLACEMENT.index(a) for a in MESH_AXES])
     return Mesh(grid, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES))
 
 

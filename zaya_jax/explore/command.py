@@ -1,0 +1,108 @@
+"""`zaya mesh`: parse the question, rank the layouts, print the table, write JSON / plot, validate."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+from zaya_jax.errors import ZayaError
+
+MAX_VALIDATE_DEVICES = 64  # fake CPU devices compile slowly; beyond this, validate one node instead
+
+EPILOG = """\
+config overrides: any --config.KEY=VALUE of `zaya train`, e.g. --config.train.remat=full
+  --config.train.grad_accum_steps=8 --config.model.compute_dtype=bfloat16.
+
+Hardware profiles (zaya_jax/hardware.py, with sources): mi300x, mi325x, mi355x, h100, h200, cpu.
+--collectives=FILE replaces the modelled link bandwidths by measured ones: a JSON list of
+  {"tier": "intra"|"inter", "op": "all_gather"|"reduce_scatter"|"all_reduce"|"all_to_all"|"permute",
+   "group": 8, "bytes": 1048576, "busbw_gb_per_s": 250.0} records (busbw as nccl-tests/rccl-tests print it).
+
+The JSON (--json) is a list, one object per layout: layout, fits, predicted {param_bytes, grad_bytes,
+optimizer_bytes, activation_bytes, total_bytes, step_time_s, mfu, ...}, and with --validate
+xla {argument_bytes, temp_bytes, ...}. --validate compiles the real train step of the shown layouts
+that fit, from abstract shapes, on nodes x gpus-per-node fake CPU devices (at most 64)."""
+
+
+def add_parser(jobs) -> None:
+    p = jobs.add_parser(
+        "mesh", help="rank mesh layouts of a model on a cluster: predicted memory and step time",
+        description="Enumerate every layout of the model over data, fsdp, expert, tsp, tensor and sequence on "
+                    "NODES x GPUS devices, predict per-device memory and step time, and rank those that fit.",
+        epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--config", required=True, metavar="FILE", help="experiment file, e.g. experiments/zaya1_base_phase1.py")
+    p.add_argument("--hardware", required=True, metavar="NAME", help="mi300x | mi325x | mi355x | h100 | h200 | cpu")
+    p.add_argument("--nodes", type=int, default=1, help="nodes in the cluster (default 1)")
+    p.add_argument("--gpus-per-node", type=int, default=8, help="devices per node (default 8)")
+    p.add_argument("--seq", type=int, metavar="TOKENS", help="sequence length (default: the config's train.seq_len)")
+    p.add_argument("--global-batch", type=int, metavar="SEQUENCES",
+                   help="sequences per optimizer step (default: the config's train.global_batch_size)")
+    p.add_argument("--top", type=int, default=10, help="layouts to show and validate (default 10; 0 = all)")
+    p.add_argument("--json", metavar="FILE", help="write every layout's prediction here")
+    p.add_argument("--plot", metavar="FILE.png", help="memory vs step time scatter (needs matplotlib)")
+    p.add_argument("--collectives", metavar="FILE", help="measured bus bandwidths (JSON records, see below)")
+    p.add_argument("--validate", action="store_true", help="compile the shown layouts that fit and report XLA's bytes")
+
+
+def _check_numbers(args) -> None:
+    for flag, value in (("--nodes", args.nodes), ("--gpus-per-node", args.gpus_per_node), ("--seq", args.seq),
+                        ("--global-batch", args.global_batch)):
+        if value is not None and value < 1:
+            raise ZayaError(f"{flag} must be a positive integer, got {value}")
+    if args.top < 0:
+        raise ZayaError(f"--top must be 0 (all) or a positive count, got {args.top}")
+    if args.plot and not args.plot.lower().endswith(".png"):
+        raise ZayaError(f"--plot writes a PNG; name the file *.png, got {args.plot}")
+    devices = args.nodes * args.gpus_per_node
+    if args.validate and devices > MAX_VALIDATE_DEVICES:
+        raise ZayaError(f"--validate compiles on {devices} fake CPU devices here; ask for at most "
+                        f"{MAX_VALIDATE_DEVICES} (e.g. --nodes=1): a node has the same per-device shapes")
+    if args.validate and "jax" not in sys.modules:  # fake the devices before JAX starts
+        os.environ["JAX_PLATFORMS"] = "cpu"
+        os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
+                                   f" --xla_force_host_platform_device_count={devices}").strip()
+
+
+def run(args, overrides: list[str]) -> int:
+    _check_numbers(args)
+    from zaya_jax import hardware
+    from zaya_jax.experiment import load_experiment
+    from zaya_jax.explore import report
+    from zaya_jax.explore.collectives import Network, load_curves
+    from zaya_jax.explore.explorer import explore, fits_nowhere_message
+    from zaya_jax.explore.placement import describe
+    from zaya_jax.explore.workload import Run
+
+    hw = hardware.profile(args.hardware)
+    curves = load_curves(args.collectives) if args.collectives else None
+    overrides = list(overrides)
+    if args.seq:
+        overrides += [f"--config.train.seq_len={args.seq}", f"--config.model.max_position_embeddings={args.seq}"]
+    if args.global_batch:
+        overrides.append(f"--config.train.global_batch_size={args.global_batch}")
+    exp = load_experiment(args.config, overrides)
+    c = exp.config
+    question = Run(exp.model, c.train.seq_len, c.train.global_batch_size, c.train.grad_accum_steps, c.train.remat,
+                   hw, args.nodes, args.gpus_per_node, c.train.loss_vocab_chunk)
+    predictions = explore(question, Network(hw, curves))
+    shown = predictions[: args.top or None]
+    fitting = [p for p in predictions if p.fits]
+    xla = None
+    if args.validate:
+        from zaya_jax.explore.validate import validate
+
+        targets = [p.layout for p in shown if p.fits]
+        xla = validate(args.config, overrides, targets, progress=lambda m: print(m, file=sys.stderr, flush=True))
+    print(report.header(question, len(shown), len(predictions), len(fitting)))
+    print(report.table(shown, xla))
+    if args.json:
+        report.write_json(args.json, predictions, xla)
+        print(f"wrote {args.json} ({len(predictions)} layouts)")
+    if args.plot:
+        report.write_plot(args.plot, predictions, question)
+        print(f"wrote {args.plot}")
+    if not fitting:
+        raise ZayaError(fits_nowhere_message(question, predictions))
+    print(f"best: {describe(fitting[0].layout)} (set it with --config.mesh.AXIS=SIZE for each axis shown)")
+    return 0

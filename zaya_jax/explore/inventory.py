@@ -1,0 +1,123 @@
+"""Per-device bytes of parameters, gradients and optimizer state for a layout: exact, from the model.
+
+The model's own parameter table (shapes and logical axes, from a 2-layer copy: blocks 1..L-1 are
+identical, block 0 lacks the EDA scale) goes through the one sharding rules table
+(`parallel/rules.py`) with the layout's axis sizes, and through the optimizer partition
+(`train/optim.py`): Muon keeps one fp32 momentum per parameter, AdamW two fp32 moments. So the
+prediction and the run share every fact, and a change to the rules changes both.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+import types
+
+import jax.numpy as jnp
+
+from zaya_jax.config import ModelConfig
+from zaya_jax.model.params import PARAM_DTYPE
+from zaya_jax.parallel.rules import partition_spec
+from zaya_jax.train.optim import rule_for
+
+PARAM_BYTES = jnp.dtype(PARAM_DTYPE).itemsize  # fp32 master weights
+OPTIMIZER_STATES = {"muon": 1, "adamw": 2}  # fp32 tensors of the parameter's shape
+BATCH_FIELDS = 5  # inputs, targets, segment_ids, positions, loss_mask: 4 bytes per token each
+
+
+@dataclasses.dataclass(frozen=True)
+class ParamGroup:
+    """Parameters with one shape, logical axes and optimizer; `count` of them in the model."""
+
+    path: str  # a representative path, e.g. layers/1/attn/wq
+    shape: tuple[int, ...]
+    axes: tuple[str, ...]
+    count: int
+    optimizer: str  # "muon" | "adamw"
+    part: str  # "attention" | "experts" | "router" | "embedding" | "other": for the schedules' buffers
+
+    @property
+    def elements(self) -> int:
+        return math.prod(self.shape)
+
+
+@dataclasses.dataclass(frozen=True)
+class StateBytes:
+    params: float
+    grads: float
+    optimizer: float
+
+
+def _part(path: str) -> str:
+    for key, part in (("/attn/", "attention"), ("/experts/", "experts"), ("/router/", "router"),
+                      ("embedding", "embedding")):
+        if key in path:
+            return part
+    return "other"
+
+
+@functools.lru_cache(maxsize=16)
+def param_groups(cfg: ModelConfig) -> tuple[ParamGroup, ...]:
+    """Every parameter of the model as groups of identical ones (shape, axes, optimizer)."""
+    from zaya_jax.train.model_state import model_def
+
+    layers = cfg.num_hidden_layers
+    small = model_def(cfg.replace(num_hidden_layers=min(layers, 2)))
+    shapes, axes = small.param_shapes, small.param_axes
+    groups = []
+    for path, shape in shapes.items():
+        parts = path.split("/")
+        count = 1
+        if parts[0] == "layers" and parts[1] == "1":
+            count = layers - 1  # block 1 stands for blocks 1..L-1
+        groups.append(ParamGroup(path, tuple(shape), tuple(axes[path]), count, rule_for(path).optimizer, _part(path)))
+    return tuple(groups)
+
+
+def block_groups(cfg: ModelConfig) -> list[ParamGroup]:
+    """The parameters of one (repeated) block: block 1's, or block 0's in a 1-layer model."""
+    layer = "layers/1/" if cfg.num_hidden_layers > 1 else "layers/0/"
+    return [g for g in param_groups(cfg) if g.path.startswith(layer)]
+
+
+def shard_count(group: ParamGroup, sizes: dict[str, int]) -> int:
+    """How many ways the rules table splits this parameter on a mesh of these axis sizes."""
+    spec = partition_spec(group.axes, types.SimpleNamespace(shape=sizes), group.shape)
+    n = 1
+    for entry in spec:
+        for axis in (entry,) if isinstance(entry, str) else (entry or ()):
+            n *= sizes[axis]
+    return n
+
+
+def sharded_axes(group: ParamGroup, sizes: dict[str, int]) -> set[str]:
+    spec = partition_spec(group.axes, types.SimpleNamespace(shape=sizes), group.shape)
+    return {a for entry in spec for a in ((entry,) if isinstance(entry, str) else (entry or ()))}
+
+
+def local_bytes(group: ParamGroup, sizes: dict[str, int], gathered: tuple[str, ...] = ()) -> float:
+    """fp32 bytes of one of the group's parameters on a device, after gathering the named axes."""
+    sharded = sharded_axes(group, sizes)
+    regather = math.prod(sizes[a] for a in gathered if a in sharded)
+    return group.elements * PARAM_BYTES * regather / shard_count(group, sizes)
+
+
+def state_bytes(cfg: ModelConfig, sizes: dict[str, int]) -> StateBytes:
+    """Per-device fp32 parameters, gradients (one fp32 copy) and optimizer moments, plus the
+    balancing biases (with the parameters) and their Adam moments (with the optimizer)."""
+    params = optimizer = 0.0
+    for g in param_groups(cfg):
+        local = g.count * local_bytes(g, sizes)
+        params += local
+        optimizer += OPTIMIZER_STATES[g.optimizer] * local
+    biases = cfg.num_hidden_layers * (cfg.num_experts + 1) * 4  # replicated fp32 [E+1] per layer
+    return StateBytes(params=params + biases, grads=params, optimizer=optimizer + 2 * biases)
+
+
+def batch_bytes(micro_batch: int, grad_accum: int, seq_len: int, sizes: dict[str, int]) -> float:
+    """The step's input arrays on one device: [A, b, S] split over the batch and sequence axes."""
+    from zaya_jax.parallel.axes import BATCH_AXES, SEQUENCE_AXES
+
+    split = math.prod(sizes[a] for a in BATCH_AXES + SEQUENCE_AXES)
+    return BATCH_FIELDS * 4 * grad_accum * micro_batch * seq_len / split

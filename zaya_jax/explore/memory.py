@@ -1,0 +1,144 @@
+"""Predicted per-device memory of a layout's train step: state (exact) plus activations (modelled).
+
+Parameters, gradients and optimizer state come from `inventory` (exact sizes). Activations are
+counted tensor by tensor for one CCA + MoE block (Korthikanti-style, `reference/mesh_explorer.md`
+§4.1, with ZAYA1's own widths), then scaled by the remat policy:
+
+* none: every block keeps all its activations for the backward;
+* full: every block keeps its fp32 input and router state; one block at a time is recomputed;
+* dots: every block keeps its matmul outputs; the rest of one block is recomputed at a time.
+
+The backward of the block being differentiated holds about as much again (its gradients). Added
+on top: the chunked loss ([tokens, chunk] fp32 logits, probabilities and their gradient, plus the
+fp32 final hidden states), the schedules' buffers (FSDP's gathered layer and embedding, TSP's
+gathered attention bucket and ring slices, EP's gathered tokens, the K/V gathered along the
+sequence), the accumulated gradients when there are several micro-batches, Muon's Newton–Schulz
+temporaries, and the step's input arrays. `HEADROOM` of the HBM is kept free for the framework,
+collective scratch and fragmentation.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from zaya_jax.explore import inventory
+from zaya_jax.explore.workload import Run, Share, share
+
+HEADROOM = 0.10
+F32 = 4
+
+
+@dataclasses.dataclass(frozen=True)
+class Memory:
+    param_bytes: float
+    grad_bytes: float
+    optimizer_bytes: float
+    activation_bytes: float  # everything else: activations, loss, schedule buffers, inputs
+    parts: dict  # activation_bytes broken down, for the report
+
+    @property
+    def total_bytes(self) -> float:
+        return self.param_bytes + self.grad_bytes + self.optimizer_bytes + self.activation_bytes
+
+
+def usable_bytes(run: Run) -> float:
+    return run.hw.hbm_gb * 1e9 * (1 - HEADROOM)
+
+
+def attention_bytes(run: Run, s: Share) -> dict[str, float]:
+    """Per token, the attention half of a block: what it keeps for the backward."""
+    cfg, b = run.cfg, run.compute_bytes
+    d, qk = cfg.head_dim, (s.heads + s.kv_heads) * cfg.head_dim
+    parts = {
+        "input": cfg.hidden_size * F32 + cfg.hidden_size * b,  # residual in, normed copy
+        "projections": qk * b + s.kv_heads * d * b,  # q, k and the two value halves
+        "conv": 3 * qk * b,  # conv input with halo, depthwise and grouped outputs
+        "qk_norm_rope": 2 * qk * b + s.kv_heads * d * b,  # normed and rotated q, k; merged values
+        "attention_out": s.heads * d * b + s.heads * F32 + cfg.hidden_size * b,  # o, logsumexp, o·Wo
+        "merge": cfg.hidden_size * F32,
+    }
+    if not run.flash_attention:  # the xla/reference backends keep fp32 scores and probabilities
+        parts["scores"] = 2 * s.heads * s.keys * F32 / 2  # causal: half the keys on average
+    return parts
+
+
+def moe_bytes(run: Run, s: Share) -> dict[str, float]:
+    """Per token, the MoE half of a block (EP keeps `dispatch`× rows: the gathered tokens)."""
+    cfg, b = run.cfg, run.compute_bytes
+    h, r = cfg.hidden_size, cfg.router_hidden_size
+    return {
+        "input": h * b,
+        "router": 6 * r * F32 + 2 * (cfg.num_experts + 1) * F32,  # fp32 island: MLP and softmax
+        "experts": s.dispatch * (h * b + 3 * s.expert_width * b + h * F32),  # sorted rows, gate/up/act, out
+        "merge": 2 * h * F32,
+    }
+
+
+def matmul_outputs_bytes(run: Run, s: Share) -> float:
+    """Per token, what the `dots` policy keeps: the plain matmuls' outputs."""
+    cfg, b = run.cfg, run.compute_bytes
+    qk = (s.heads + s.kv_heads) * cfg.head_dim
+    attention = qk * b + s.kv_heads * cfg.head_dim * b + cfg.hidden_size * b
+    moe = 4 * cfg.router_hidden_size * F32 + s.dispatch * (2 * s.expert_width * b + cfg.hidden_size * F32)
+    return attention + moe
+
+
+def block_bytes_per_token(run: Run, s: Share) -> float:
+    return sum(attention_bytes(run, s).values()) + sum(moe_bytes(run, s).values())
+
+
+def stored_per_token(run: Run, s: Share) -> float:
+    """Per token, what all blocks keep until the backward under the remat policy."""
+    layers, full = run.cfg.num_hidden_layers, block_bytes_per_token(run, s)
+    if run.remat == "full":
+        return layers * (run.cfg.hidden_size + run.cfg.router_hidden_size) * F32
+    if run.remat == "dots":
+        return layers * matmul_outputs_bytes(run, s)
+    return layers * full
+
+
+def loss_bytes(run: Run, tokens: float) -> float:
+    chunk = min(run.vocab_chunk, run.cfg.vocab_size)
+    return tokens * (run.cfg.hidden_size * F32 + 3 * chunk * F32 + 2 * F32)
+
+
+def schedule_bytes(run: Run, sizes: dict[str, int], s: Share) -> dict[str, float]:
+    """The buffers each parallel schedule adds (fp32 weights are gathered as stored)."""
+    cfg, block = run.cfg, inventory.block_groups(run.cfg)
+    out: dict[str, float] = {}
+    if sizes["fsdp"] > 1 or sizes["tsp"] > 1:
+        # One block's weights (the next one's prefetched: ×2) and the embedding (for the loss),
+        # gathered over the axes that split their hidden dimension; TSP's experts circulate instead.
+        dense = sum(inventory.local_bytes(g, sizes, ("fsdp", "tsp")) for g in block if g.part != "experts")
+        experts = sum(inventory.local_bytes(g, sizes, ("fsdp",)) for g in block if g.part == "experts")
+        embedding = sum(inventory.local_bytes(g, sizes, ("fsdp", "tsp"))
+                        for g in inventory.param_groups(cfg) if g.part == "embedding")
+        out["gathered_weights"] = 2 * (dense + experts) + embedding
+    if sizes["tsp"] > 1:  # the slice in use and the one arriving
+        out["ring_slices"] = 2 * sum(inventory.local_bytes(g, sizes, ("fsdp",)) for g in block if g.part == "experts")
+    chunks = sizes["tsp"] * sizes["sequence"]
+    if chunks > 1:
+        kv = 2 * s.kv_heads * cfg.head_dim * run.compute_bytes  # K and V per token
+        out["gathered_kv"] = s.tokens * chunks * kv * 2  # the gathered K/V and their gradient
+    return out
+
+
+def muon_temporaries(run: Run, sizes: dict[str, int]) -> float:
+    """Newton–Schulz works on one parameter at a time: about three fp32 copies of the largest."""
+    muon = [g for g in inventory.param_groups(run.cfg) if g.optimizer == "muon"]
+    return 3 * max(inventory.local_bytes(g, sizes) for g in muon) if muon else 0.0
+
+
+def predict(run: Run, sizes: dict[str, int]) -> Memory:
+    state = inventory.state_bytes(run.cfg, sizes)
+    s = share(run, sizes)
+    grads = state.grads * (2 if run.grad_accum > 1 else 1)  # the running sum and this micro-batch's
+    parts = {
+        "stored_activations": s.tokens * stored_per_token(run, s),
+        "block_working_set": 2 * s.tokens * block_bytes_per_token(run, s),
+        "loss": loss_bytes(run, s.tokens),
+        **schedule_bytes(run, sizes, s),
+        "optimizer_temporaries": muon_temporaries(run, sizes),
+        "inputs": inventory.batch_bytes(run.micro_batch, run.grad_accum, run.seq_len, sizes),
+    }
+    return Memory(state.params, grads, state.optimizer, sum(parts.values()), parts)

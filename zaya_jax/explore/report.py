@@ -1,0 +1,103 @@
+"""The explorer's outputs: a readable table, the JSON list, and a memory-vs-step-time plot."""
+
+from __future__ import annotations
+
+import json
+import os
+
+from zaya_jax.errors import ZayaError
+from zaya_jax.explore.explorer import GIB, Prediction
+from zaya_jax.explore.placement import describe
+from zaya_jax.explore.workload import Run
+
+
+def header(run: Run, shown: int, total: int, fitting: int) -> str:
+    cfg, hw = run.cfg, run.hw
+    tokens = run.global_batch * run.seq_len
+    return (f"{total} layouts of {run.nodes} x {run.gpus_per_node} {hw.name} ({run.devices} devices); {fitting} fit in "
+            f"{hw.hbm_gb:g} GB. Model: {cfg.num_hidden_layers} layers, hidden {cfg.hidden_size}, {cfg.num_experts} experts; "
+            f"{run.seq_len}-token sequences, {run.global_batch} per step ({tokens / 1e6:.1f}M tokens) in {run.grad_accum} "
+            f"micro-batch(es), remat {run.remat}, {cfg.compute_dtype}. Best {shown} (GiB per device):"
+            + (" [nominal hardware numbers]" if hw.nominal else ""))
+
+
+def table(predictions: list[Prediction], xla: dict | None = None) -> str:
+    cols = ["#", "layout", "fits", "params", "grads", "optim", "activ", "total", "step s", "MFU", "largest exposed comm"]
+    if xla:
+        cols += ["XLA args", "XLA temp", "args/pred"]
+    rows = []
+    for i, p in enumerate(predictions, 1):
+        m, t = p.memory, p.time
+        comm = max(t.exposed_comm_s.items(), key=lambda kv: kv[1], default=("-", 0.0))
+        row = [str(i), describe(p.layout), "yes" if p.fits else "no", *(f"{v / GIB:.2f}" for v in (
+            m.param_bytes, m.grad_bytes, m.optimizer_bytes, m.activation_bytes, m.total_bytes)),
+            f"{t.step_time_s:.3g}", f"{t.mfu:.1%}", f"{comm[0]} {comm[1]:.3g}s" if comm[1] else "-"]
+        if xla:
+            row += _xla_cells(xla.get(describe(p.layout)), p)
+        rows.append(row)
+    widths = [max(len(c), *(len(r[i]) for r in rows)) for i, c in enumerate(cols)]
+    line = lambda cells: "  ".join(c.ljust(w) if i in (1, 10) else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths)))
+    return "\n".join([line(cols)] + [line(r) for r in rows])
+
+
+def _xla_cells(result: dict | None, p: Prediction) -> list[str]:
+    if not result:
+        return ["-", "-", "-"]
+    if "error" in result:
+        return ["not compiled", "", ""]
+    state = p.memory.param_bytes + p.memory.optimizer_bytes
+    return [f"{result['argument_bytes'] / GIB:.2f}", f"{result['temp_bytes'] / GIB:.2f}",
+            f"{result['argument_bytes'] / state:.3f}"]
+
+
+def write_json(path: str, predictions: list[Prediction], xla: dict | None = None) -> None:
+    rows = []
+    for p in predictions:
+        row = p.to_json()
+        if xla and describe(p.layout) in xla:
+            row["xla"] = xla[describe(p.layout)]
+        rows.append(row)
+    _write(path, lambda f: (json.dump(rows, f, indent=1), f.write("\n")))
+
+
+def write_plot(path: str, predictions: list[Prediction], run: Run) -> None:
+    """Memory per device against step time, one point per layout; the HBM limit as a line."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise ZayaError("--plot needs matplotlib: pip install matplotlib (or pip install -e '.[plot]')") from None
+    fig, ax = plt.subplots(figsize=(8, 5))
+    for fits, colour in ((True, "tab:blue"), (False, "tab:gray")):
+        pts = [p for p in predictions if p.fits == fits]
+        ax.scatter([p.time.step_time_s for p in pts], [p.memory.total_bytes / GIB for p in pts], s=12, c=colour,
+                   label="fits" if fits else "does not fit")
+    for p in [p for p in predictions if p.fits][:5]:
+        ax.annotate(describe(p.layout), (p.time.step_time_s, p.memory.total_bytes / GIB), fontsize=7)
+    ax.axhline(run.hw.hbm_gb * 1e9 / GIB, color="tab:red", lw=1, label=f"{run.hw.name} HBM")
+    ax.set_xscale("log")
+    ax.set_xlabel("predicted step time (s)")
+    ax.set_ylabel("predicted memory per device (GiB)")
+    ax.set_title(f"{run.nodes} x {run.gpus_per_node} {run.hw.name}, {run.seq_len} tokens x {run.global_batch}")
+    ax.legend(fontsize=8)
+    _write(path, lambda f: fig.savefig(f, format="png", dpi=120), binary=True)
+    plt.close(fig)
+
+
+def _write(path: str, dump, binary: bool = False) -> None:
+    """Write through a temporary file, so a failure never leaves half a file at `path`."""
+    folder = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(folder):
+        raise ZayaError(f"cannot write {path}: folder {folder} does not exist")
+    tmp = path + ".tmp"
+    try:
+        with open(tmp, "wb" if binary else "w") as f:
+            dump(f)
+        os.replace(tmp, path)
+    except OSError as e:
+        raise ZayaError(f"cannot write {path}: {e.strerror}") from None
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)

@@ -1,0 +1,166 @@
+"""Predicted step time of a layout: compute over a derated peak, plus each axis's collectives.
+
+Compute: the device's hardware FLOPs (the model's training FLOPs for its tokens, the parts a
+`tensor` group repeats on every member — router, LM head — counted on each, plus the
+recomputation the remat policy adds: a block forward under `full`, the attention core under
+`dots`, and the chunked loss's logits always) over `peak × compute_efficiency`.
+
+Communication: per axis, the bytes each collective of our schedules moves (`transfers`),
+priced on the links the axis crosses (`collectives.Network`). FSDP's weight gathers, the
+gradient reductions and TSP's expert ring can overlap compute (XLA's scheduler / the ring's
+design), so together they cost only what exceeds the compute time; tensor, sequence, expert
+and TSP's attention collectives sit between dependent matmuls and are counted in full.
+The optimizer adds Muon's Newton–Schulz matmuls (on each device's shard) and one pass over the
+state in HBM. MFU = model FLOPs (6N + attention, `train/flops.py`) / (step time × peak × devices).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+from zaya_jax.explore import inventory
+from zaya_jax.explore.collectives import Network
+from zaya_jax.explore.placement import Span, spans
+from zaya_jax.explore.workload import Run, Share, share
+from zaya_jax.parallel.axes import BATCH_AXES, SEQUENCE_AXES
+from zaya_jax.train import flops
+
+F32 = 4
+TOKEN_AXES = BATCH_AXES + SEQUENCE_AXES  # axes that split the tokens: gradients sum over them
+
+
+@dataclasses.dataclass(frozen=True)
+class Transfer:
+    axis: str  # mesh axis, or "a+b" for a reduction over several
+    op: str
+    nbytes: float  # per call: the gathered / reduced array (permute: bytes sent)
+    calls: float  # per optimizer step
+    overlappable: bool
+    what: str
+    span: Span
+
+
+@dataclasses.dataclass(frozen=True)
+class StepTime:
+    compute_s: float
+    exposed_comm_s: dict  # axis → seconds not hidden behind compute
+    optimizer_s: float
+    step_time_s: float
+    mfu: float
+    model_flops: float  # per step, all devices
+    hardware_flops: float  # per device per step
+
+
+def hardware_flops(run: Run, sizes: dict[str, int], s: Share) -> float:
+    """FLOPs one device runs per optimizer step (forward, backward, recomputation)."""
+    cfg, t = run.cfg, sizes["tensor"]
+    split = (flops.attention_projection_params(cfg) + flops.cca_conv_params(cfg) + flops.expert_params(cfg)) / t
+    repeated = flops.router_params(cfg)
+    head = cfg.vocab_size * cfg.hidden_size
+    core = flops.attention_flops_per_token(cfg, run.seq_len) / 3 / t  # forward of the attention core
+    block_fwd = cfg.num_hidden_layers * 2 * (split + repeated) + core
+    per_token = 3 * block_fwd + 6 * head + 2 * head  # the loss backward recomputes each chunk's logits
+    if run.remat == "full":
+        per_token += block_fwd
+    elif run.remat == "dots":
+        per_token += core
+    return per_token * s.tokens * run.grad_accum
+
+
+def transfers(run: Run, sizes: dict[str, int]) -> list[Transfer]:
+    """Every collective of one optimizer step, per device."""
+    cfg, s, where = run.cfg, share(run, sizes), spans(sizes, run.gpus_per_node)
+    a, layers, b = run.grad_accum, cfg.num_hidden_layers, run.compute_bytes
+    passes = 3 if run.remat == "full" else 2  # forward (+ recomputed forward) and backward
+    out = _gradient_reductions(run, sizes, where)
+    block = inventory.block_groups(cfg)
+    if sizes["fsdp"] > 1:
+        gathered = sum(g.count * inventory.local_bytes(g, sizes, ("fsdp",))
+                       for g in inventory.param_groups(cfg) if "fsdp" in inventory.sharded_axes(g, sizes))
+        out += [Transfer("fsdp", "all_gather", gathered, a * (passes - 1), True, "weights, forward and backward", where["fsdp"]),
+                Transfer("fsdp", "reduce_scatter", gathered, a, True, "gradients", where["fsdp"])]
+    if sizes["tensor"] > 1:
+        out.append(Transfer("tensor", "all_reduce", s.tokens * cfg.hidden_size * F32, a * layers * 2 * passes, False,
+                            "attention and expert outputs, their input gradients", where["tensor"]))
+    kv = 2 * s.kv_heads * cfg.head_dim * b  # K and V bytes per token
+    for axis in SEQUENCE_AXES:
+        n = sizes[axis]
+        if n > 1:
+            out += [Transfer(axis, "all_gather", s.tokens * n * kv, a * layers * (passes - 1), False, "K/V along the sequence", where[axis]),
+                    Transfer(axis, "reduce_scatter", s.tokens * n * kv, a * layers, False, "K/V gradients", where[axis])]
+    if sizes["tsp"] > 1:
+        u = sizes["tsp"]
+        attention = sum(inventory.local_bytes(g, sizes, ("fsdp", "tsp")) for g in block if g.part == "attention")
+        experts = sum(inventory.local_bytes(g, sizes, ("fsdp",)) for g in block if g.part == "experts")
+        out += [Transfer("tsp", "all_gather", attention, a * layers * (passes - 1), False, "attention weight buckets", where["tsp"]),
+                Transfer("tsp", "reduce_scatter", attention, a * layers, False, "attention weight gradients", where["tsp"]),
+                Transfer("tsp", "permute", experts, a * layers * (u - 1) * (passes + 1), True,
+                         "expert slices round the ring (and their gradients)", where["tsp"])]
+    if sizes["expert"] > 1:
+        rows = s.tokens * sizes["expert"] * cfg.hidden_size
+        out += [Transfer("expert", "all_gather", rows * b, a * layers * passes, False, "tokens to every expert's owner", where["expert"]),
+                Transfer("expert", "reduce_scatter", rows * F32, a * layers * passes, False, "expert outputs back", where["expert"])]
+    return out
+
+
+def _gradient_reductions(run: Run, sizes: dict[str, int], where: dict[str, Span]) -> list[Transfer]:
+    """All-reduce of each parameter's gradient over the token-splitting axes that do not shard it
+    (FSDP's and TSP's own reductions are reduce-scatters, counted with their schedules; experts
+    see every token of the expert axis). Inside the micro-batch loop: once per micro-batch."""
+    by_axes: dict[tuple[str, ...], float] = {}
+    for g in inventory.param_groups(run.cfg):
+        sharded = inventory.sharded_axes(g, sizes)
+        axes = tuple(x for x in TOKEN_AXES if sizes[x] > 1 and x not in sharded
+                     and not (x == "expert" and g.part == "experts"))
+        if axes:
+            by_axes[axes] = by_axes.get(axes, 0.0) + g.count * inventory.local_bytes(g, sizes)
+    out = []
+    for axes, nbytes in by_axes.items():
+        span = Span(math.prod(where[x].intra for x in axes), math.prod(where[x].inter for x in axes))
+        out.append(Transfer("+".join(axes), "all_reduce", nbytes, run.grad_accum, True, "gradients", span))
+    return out
+
+
+def optimizer_seconds(run: Run, sizes: dict[str, int]) -> float:
+    """Muon's Newton–Schulz on each device's shard of each matrix, plus one pass over the state."""
+    ns = run_ns_flops(run, sizes)
+    state = inventory.state_bytes(run.cfg, sizes)
+    stream = 3 * (state.params + state.grads + state.optimizer)  # read grads and state, write state
+    hw = run.hw
+    return ns / (hw.peak_bf16_tflops * 1e12 * hw.compute_efficiency) + stream / (hw.hbm_tb_per_s * 1e12 or 1e12)
+
+
+def run_ns_flops(run: Run, sizes: dict[str, int]) -> float:
+    from zaya_jax.train.optim import rule_for
+
+    steps, total = 5, 0.0
+    for g in inventory.param_groups(run.cfg):
+        if g.optimizer != "muon":
+            continue
+        view = rule_for(g.path).view
+        batch = math.prod(g.shape[: view.batch_axes])
+        fan_in = math.prod(g.shape[view.batch_axes: view.batch_axes + view.in_axes])
+        fan_out = g.elements // (batch * fan_in)
+        m, n = min(fan_in, fan_out), max(fan_in, fan_out)
+        total += g.count * batch * steps * (4 * m * m * n + 2 * m ** 3) / inventory.shard_count(g, sizes)
+    return total
+
+
+def predict(run: Run, sizes: dict[str, int], network: Network) -> StepTime:
+    s, hw = share(run, sizes), run.hw
+    work = hardware_flops(run, sizes, s)
+    compute = work / (hw.peak_bf16_tflops * 1e12 * hw.compute_efficiency)
+    fixed: dict[str, float] = {}
+    hideable: dict[str, float] = {}
+    for tr in transfers(run, sizes):
+        into = hideable if tr.overlappable else fixed
+        into[tr.axis] = into.get(tr.axis, 0.0) + tr.calls * network.time(tr.op, tr.nbytes, tr.span)
+    total_hideable = sum(hideable.values())
+    keep = max(0.0, total_hideable - compute) / total_hideable if total_hideable else 0.0
+    exposed = {axis: fixed.get(axis, 0.0) + keep * hideable.get(axis, 0.0) for axis in {*fixed, *hideable}}
+    opt = optimizer_seconds(run, sizes)
+    step = compute + sum(exposed.values()) + opt
+    model = flops.training_flops_per_token(run.cfg, run.seq_len).total * run.global_batch * run.seq_len
+    mfu = model / (step * hw.peak_bf16_tflops * 1e12 * run.devices)
+    return StepTime(compute, exposed, opt, step, mfu, model, work)

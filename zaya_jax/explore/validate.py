@@ -1,0 +1,54 @@
+"""Check predictions against XLA: compile the real train step of a layout from abstract shapes.
+
+Nothing is allocated: `train/program.Program.compile_train_step` lowers the step for shapes with
+the layout's shardings on (fake) local devices, and XLA's memory analysis gives per-device
+argument bytes (parameters, optimizer state, inputs: the prediction's exact part) and temporary
+bytes (activations, gradients, buffers: the modelled part). On CPU XLA's temporaries are a proxy
+for a GPU's: the CPU compiler keeps every block's activations whatever the remat policy.
+"""
+
+from __future__ import annotations
+
+import time
+
+from zaya_jax.errors import ZayaError
+
+
+def memory_report(program) -> dict:
+    """Compile the program's train step; its per-device memory analysis and compile time."""
+    compiled, seconds = program.compile_train_step()
+    mem = compiled.memory_analysis()
+    return {"argument_bytes": int(mem.argument_size_in_bytes), "output_bytes": int(mem.output_size_in_bytes),
+            "alias_bytes": int(mem.alias_size_in_bytes), "temp_bytes": int(mem.temp_size_in_bytes),
+            "compile_s": round(seconds, 1)}
+
+
+def compile_layout(config_path: str, overrides: list[str], layout: dict[str, int], devices) -> dict:
+    """XLA's numbers for one layout, or {"error": why} when the step cannot be built here."""
+    from zaya_jax.experiment import load_experiment
+    from zaya_jax.train.program import build_program
+
+    mesh = [f"--config.mesh.{axis}={size}" for axis, size in layout.items()]
+    try:
+        program = build_program(load_experiment(config_path, list(overrides) + mesh), devices)
+    except ZayaError as e:
+        return {"error": str(e)}
+    return memory_report(program)
+
+
+def validate(config_path: str, overrides: list[str], layouts: list[dict[str, int]], progress=print) -> dict:
+    """XLA's numbers for each layout, keyed by `placement.describe(layout)`."""
+    import jax
+
+    from zaya_jax.explore.placement import describe, total
+
+    out = {}
+    for i, layout in enumerate(layouts, 1):
+        n = total(layout)
+        if len(jax.devices()) < n:
+            raise ZayaError(f"--validate needs {n} devices and JAX sees {len(jax.devices())}; run with "
+                            f"XLA_FLAGS=--xla_force_host_platform_device_count={n} JAX_PLATFORMS=cpu")
+        start = time.perf_counter()
+        out[describe(layout)] = compile_layout(config_path, overrides, layout, jax.devices()[:n])
+        progress(f"validate {i}/{len(layouts)}: {describe(layout)} compiled in {time.perf_counter() - start:.1f}s")
+    return out

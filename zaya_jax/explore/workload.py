@@ -1,0 +1,76 @@
+"""What one layout asks of each device: the run's shape (`Run`) and its per-device split (`Share`).
+
+`Run` is the question (model, sequence length, global batch, micro-batches, remat policy, the
+hardware and its nodes); `Share` is what one device of a layout holds of one micro-batch:
+its tokens, heads, KV heads, expert width and the keys its queries see.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+from zaya_jax.config import ModelConfig
+from zaya_jax.hardware import HardwareProfile
+from zaya_jax.kernels.registry import DEFAULTS
+from zaya_jax.parallel.axes import BATCH_AXES, SEQUENCE_AXES
+
+FLASH_BACKENDS = ("pallas", "cudnn")  # attention kernels that never store [queries, keys] scores
+
+
+@dataclasses.dataclass(frozen=True)
+class Run:
+    cfg: ModelConfig
+    seq_len: int
+    global_batch: int  # sequences per optimizer step
+    grad_accum: int  # micro-batches per step
+    remat: str  # none | full | dots
+    hw: HardwareProfile
+    nodes: int
+    gpus_per_node: int
+    vocab_chunk: int = 16384
+
+    @property
+    def devices(self) -> int:
+        return self.nodes * self.gpus_per_node
+
+    @property
+    def micro_batch(self) -> int:
+        return self.global_batch // self.grad_accum
+
+    @property
+    def compute_bytes(self) -> int:
+        return 2 if self.cfg.compute_dtype == "bfloat16" else 4
+
+    @property
+    def platform(self) -> str:
+        return "cpu" if self.hw.name == "cpu" else "gpu"
+
+    def backend(self, kernel: str, configured: str) -> str:
+        """The kernel backend the run would use on this hardware ('auto' → the platform default)."""
+        return DEFAULTS[self.platform][kernel] if configured == "auto" else configured
+
+    @property
+    def flash_attention(self) -> bool:
+        return self.backend("attention", self.cfg.attention_kernel) in FLASH_BACKENDS
+
+
+@dataclasses.dataclass(frozen=True)
+class Share:
+    """One device's part of one micro-batch under a layout."""
+
+    tokens: float  # rows of the residual stream on this device
+    heads: int  # query heads computed here
+    kv_heads: int
+    expert_width: float  # each expert's intermediate width computed here per pass
+    keys: int  # keys each local query attends over (the whole sequence with sequence chunks)
+    dispatch: int  # tokens gathered per local token for the experts (expert axis size)
+
+
+def share(run: Run, sizes: dict[str, int]) -> Share:
+    cfg = run.cfg
+    split = math.prod(sizes[a] for a in BATCH_AXES + SEQUENCE_AXES)
+    t = sizes["tensor"]
+    return Share(tokens=run.micro_batch * run.seq_len / split, heads=cfg.num_attention_heads // t,
+                 kv_heads=cfg.num_key_value_heads // t, expert_width=cfg.moe_intermediate_size / t,
+                 keys=run.seq_len, dispatch=sizes["expert"])
