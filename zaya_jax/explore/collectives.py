@@ -109,7 +109,7 @@ class Network:
         if measured is not None:
             return measured * GB
         if tier == "inter":
-            return self.hw.scale_out_gb_per_s * self.hw.link_efficiency * GB
+            return self.hw.scale_out_gb_per_s * self.hw.nic_efficiency * GB
         if op == "permute":  # one neighbour: one link on a mesh, the switch port otherwise
             links = 1 if self.hw.scale_up == "mesh" else self.hw.peer_links
             return self.hw.link_gb_per_s * links * self.hw.link_efficiency * GB

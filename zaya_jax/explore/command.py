@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 
 from zaya_jax.errors import ZayaError
@@ -58,10 +57,19 @@ def _check_numbers(args) -> None:
     if args.validate and devices > MAX_VALIDATE_DEVICES:
         raise ZayaError(f"--validate compiles on {devices} fake CPU devices here; ask for at most "
                         f"{MAX_VALIDATE_DEVICES} (e.g. --nodes=1): a node has the same per-device shapes")
-    if args.validate and "jax" not in sys.modules:  # fake the devices before JAX starts
-        os.environ["JAX_PLATFORMS"] = "cpu"
-        os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
-                                   f" --xla_force_host_platform_device_count={devices}").strip()
+    if args.validate:
+        _fake_devices(devices)
+
+
+def _fake_devices(n: int) -> None:
+    """Compile on n CPU devices, if JAX has not started its backends yet (else the caller's own
+    XLA_FLAGS decide, and `validate` says when they are too few)."""
+    import jax
+    from jax._src import xla_bridge
+
+    if not xla_bridge.backends_are_initialized():
+        jax.config.update("jax_platforms", "cpu")
+        jax.config.update("jax_num_cpu_devices", max(n, jax.config.jax_num_cpu_devices))
 
 
 def run(args, overrides: list[str]) -> int:

@@ -1,0 +1,193 @@
+"""The mesh explorer's formulas on hand-worked cases: placement, collective times, state bytes,
+activations, FLOPs and MFU, ranking and its refusals (no compiling here; see test_mesh_validate)."""
+
+import json
+import math
+
+import pytest
+
+from zaya_jax import hardware
+from zaya_jax.config import preset
+from zaya_jax.errors import ZayaError
+from zaya_jax.explore import inventory, memory, step_time
+from zaya_jax.explore.collectives import Network, load_curves
+from zaya_jax.explore.explorer import explore, fits_nowhere_message
+from zaya_jax.explore.placement import Span, layouts, spans
+from zaya_jax.explore.workload import Run
+from zaya_jax.parallel.axes import MESH_AXES
+from zaya_jax.train import flops
+
+TINY = preset("tiny", compute_dtype="float32")
+MI300X, H100 = hardware.profile("mi300x"), hardware.profile("h100")
+
+
+def mesh(**sizes):
+    return {a: sizes.get(a, 1) for a in MESH_AXES}
+
+
+def run(cfg=TINY, hw=MI300X, nodes=1, seq=64, batch=16, accum=1, remat="none"):
+    return Run(cfg, seq, batch, accum, remat, hw, nodes, 8, vocab_chunk=64)
+
+
+def test_layouts_are_every_ordered_factorization():
+    assert len(layouts(8)) == math.comb(3 + 5, 5)  # 2^3 over six axes
+    assert all(math.prod(s.values()) == 12 for s in layouts(12))
+    assert len({tuple(s.values()) for s in layouts(12)}) == len(layouts(12))
+
+
+def test_spans_place_chatty_axes_inside_a_node():
+    assert spans(mesh(data=128, fsdp=8), 8) == {**{a: Span(1, 1) for a in MESH_AXES}, "fsdp": Span(8, 1),
+                                               "data": Span(1, 128)}
+    s = spans(mesh(data=64, tsp=16), 8)
+    assert s["tsp"] == Span(8, 2) and s["data"] == Span(1, 64)
+    s = spans(mesh(data=64, sequence=2, fsdp=8), 8)  # fsdp is placed inside sequence
+    assert s["fsdp"] == Span(8, 1) and s["sequence"] == Span(1, 2) and s["data"] == Span(1, 64)
+    s = spans(mesh(tensor=2, expert=4), 8)
+    assert s["tensor"] == Span(2, 1) and s["expert"] == Span(4, 1)
+
+
+def test_collective_times_by_hand():
+    net, gb = Network(MI300X), 1e9
+    # 8 GPUs of one node on a full xGMI mesh: 7 links x 48 GB/s x 0.9.
+    assert net.time("all_gather", gb, Span(8, 1)) == pytest.approx(13e-6 + gb * 7 / 8 / (7 * 48e9 * 0.9))
+    assert net.time("all_reduce", gb, Span(8, 1)) == pytest.approx(2 * net.time("reduce_scatter", gb, Span(8, 1)))
+    # Two GPUs of a node share one link.
+    assert net.time("all_gather", gb, Span(2, 1)) == pytest.approx(13e-6 + gb / 2 / (48e9 * 0.9))
+    # One GPU per node: the NIC; hierarchical: the node's phase, then 1/8 of the bytes over the NIC.
+    nic = 50e9 * 0.94
+    assert net.time("all_gather", gb, Span(1, 2)) == pytest.approx(10e-6 + gb / 2 / nic)
+    assert net.time("all_gather", gb, Span(8, 4)) == pytest.approx(
+        net.time("all_gather", gb, Span(8, 1)) + 30e-6 + gb / 8 * 3 / 4 / nic)
+    # NVSwitch: any subgroup gets the full port.
+    h = Network(H100)
+    assert h.time("all_gather", gb, Span(2, 1)) == pytest.approx(8e-6 + gb / 2 / (450e9 * 0.82))
+    assert net.time("permute", gb, Span(8, 1)) == pytest.approx(13e-6 + gb / (48e9 * 0.9))
+    assert net.time("all_gather", gb, Span(1, 1)) == 0.0
+
+
+def test_measured_curves_replace_the_model(tmp_path):
+    path = tmp_path / "busbw.json"
+    path.write_text(json.dumps([
+        {"tier": "intra", "op": "all_gather", "group": 8, "bytes": 1e6, "busbw_gb_per_s": 100},
+        {"tier": "intra", "op": "all_gather", "group": 8, "bytes": 1e8, "busbw_gb_per_s": 300}]))
+    net = Network(MI300X, load_curves(str(path)))
+    assert net.busbw("intra", "all_gather", 8, 1e7) == pytest.approx(200e9)  # log-interpolated
+    assert net.busbw("intra", "all_gather", 4, 1e9) == pytest.approx(300e9)  # nearest group, clamped
+    assert net.busbw("intra", "all_reduce", 8, 1e7) == pytest.approx(7 * 48e9 * 0.9)  # not measured: modelled
+
+
+@pytest.mark.parametrize("records, words", [
+    ("[]", "non-empty"), ("{", "not valid JSON"),
+    ('[{"tier": "intra", "op": "all_gather", "group": 8, "bytes": 1}]', "has no 'busbw_gb_per_s'"),
+    ('[{"tier": "rack", "op": "all_gather", "group": 8, "bytes": 1, "busbw_gb_per_s": 1}]', "tier 'rack'"),
+    ('[{"tier": "intra", "op": "gather", "group": 8, "bytes": 1, "busbw_gb_per_s": 1}]', "op 'gather'"),
+    ('[{"tier": "intra", "op": "all_gather", "group": 8, "bytes": -1, "busbw_gb_per_s": 1}]', "positive"),
+])
+def test_bad_curve_files_say_what_is_wrong(tmp_path, records, words):
+    path = tmp_path / "bad.json"
+    path.write_text(records)
+    with pytest.raises(ZayaError, match=words):
+        load_curves(str(path))
+    with pytest.raises(ZayaError, match="does not exist"):
+        load_curves(str(tmp_path / "missing.json"))
+
+
+def test_state_bytes_by_hand():
+    from zaya_jax.model.state import expected_shapes
+
+    deep = TINY.replace(num_hidden_layers=5)  # the 2-layer copy stands for all five blocks
+    biases = 5 * (deep.num_experts + 1)  # balancing biases: state, not parameters
+    assert sum(g.count * g.elements for g in inventory.param_groups(deep)) == sum(
+        math.prod(s) for s in expected_shapes(deep).values()) - biases
+    cfg = TINY  # H 64, 4 heads / 2 KV of 16, 4 experts x 32, router 16, vocab 256, 2 layers
+    groups = inventory.param_groups(cfg)
+    total = sum(g.count * g.elements for g in groups)
+    one = inventory.state_bytes(cfg, mesh())
+    biases = cfg.num_hidden_layers * (cfg.num_experts + 1) * 4
+    muon = sum(g.count * g.elements for g in groups if g.optimizer == "muon")
+    assert one.params == 4 * total + biases and one.grads == 4 * total
+    assert one.optimizer == 4 * muon + 8 * (total - muon) + 2 * biases
+    # fsdp 2 halves every parameter with a hidden (`embed`) dimension; tsp 2 halves the experts on their width.
+    experts = next(g for g in groups if g.path.endswith("experts/gate"))
+    assert inventory.local_bytes(experts, mesh(fsdp=2)) == 4 * 4 * 64 * 32 / 2
+    assert inventory.local_bytes(experts, mesh(tsp=2)) == 4 * 4 * 64 * 32 / 2
+    assert inventory.local_bytes(experts, mesh(expert=4, fsdp=2), gathered=("fsdp",)) == 1 * 64 * 32 * 4  # one expert
+    router = next(g for g in groups if g.path.endswith("router/fc1"))
+    assert inventory.shard_count(router, mesh(fsdp=2, tsp=2)) == 1  # no hidden dimension: replicated
+
+
+def test_remat_full_keeps_only_block_inputs():
+    r = run(remat="full", batch=16, seq=64)
+    m = memory.predict(r, mesh(data=8))
+    tokens = 16 * 64 / 8
+    assert m.parts["stored_activations"] == tokens * TINY.num_hidden_layers * (64 + 16) * 4
+    none = memory.predict(run(remat="none"), mesh(data=8))
+    assert none.parts["stored_activations"] > 5 * m.parts["stored_activations"]
+    assert memory.predict(run(remat="full", accum=2), mesh(data=8)).grad_bytes == 2 * m.grad_bytes
+
+
+def test_flops_are_the_models_plus_recomputation():
+    r = run(remat="none", batch=8, seq=64)
+    tokens = 8 * 64
+    model = flops.training_flops_per_token(TINY, 64).total
+    head = TINY.vocab_size * TINY.hidden_size
+    hw = step_time.hardware_flops(r, mesh(), step_time.share(r, mesh()))
+    assert hw == pytest.approx(tokens * (model + 2 * head))  # the chunked loss recomputes its logits
+    full = run(remat="full", batch=8, seq=64)
+    block_forward = 2 * (flops.matmul_params_per_token(TINY) - head) + flops.attention_flops_per_token(TINY, 64) / 3
+    assert step_time.hardware_flops(full, mesh(), step_time.share(full, mesh())) == pytest.approx(
+        hw + tokens * block_forward)  # full remat runs every block's forward twice
+
+
+def test_step_time_and_mfu_on_one_device_are_compute_and_optimizer():
+    r = run(hw=hardware.profile("cpu"), batch=8, seq=64)
+    r = Run(r.cfg, r.seq_len, r.global_batch, r.grad_accum, r.remat, r.hw, 1, 1, r.vocab_chunk)
+    t = step_time.predict(r, mesh(), Network(r.hw))
+    assert t.exposed_comm_s == {}
+    assert t.step_time_s == pytest.approx(t.compute_s + t.optimizer_s)
+    assert t.compute_s == pytest.approx(t.hardware_flops / 1e12)  # the nominal 1 TFLOP/s at efficiency 1
+    assert t.mfu == pytest.approx(t.model_flops / (t.step_time_s * 1e12))
+
+
+def test_gradients_reduce_over_the_axes_that_do_not_shard_them():
+    r = run(batch=16)
+    by_axis = {tr.axis: tr for tr in step_time.transfers(r, mesh(data=8))}
+    assert set(by_axis) == {"data"} and by_axis["data"].op == "all_reduce"
+    assert by_axis["data"].nbytes == pytest.approx(inventory.state_bytes(TINY, mesh()).grads)
+    fsdp = step_time.transfers(r, mesh(fsdp=8))
+    ops = {(tr.axis, tr.op) for tr in fsdp}
+    assert ("fsdp", "all_gather") in ops and ("fsdp", "reduce_scatter") in ops
+    small = [tr for tr in fsdp if tr.op == "all_reduce"]  # router weights have no hidden dim to shard
+    assert small and all(tr.axis == "fsdp" for tr in small)
+    ep = {(tr.axis, tr.op) for tr in step_time.transfers(r, mesh(expert=4, data=2))}
+    assert ("expert", "all_gather") in ep and ("expert", "reduce_scatter") in ep
+
+
+def test_exposed_communication_overlaps_only_where_the_schedule_allows():
+    r = run(batch=64, seq=64)
+    t = step_time.predict(r, mesh(tensor=2, data=4), Network(MI300X))
+    assert t.exposed_comm_s["tensor"] > 0  # activations between dependent matmuls: never hidden
+    hidden = step_time.predict(r, mesh(data=8), Network(MI300X))
+    total = sum(tr.calls * Network(MI300X).time(tr.op, tr.nbytes, tr.span) for tr in step_time.transfers(r, mesh(data=8)))
+    assert hidden.exposed_comm_s["data"] == pytest.approx(max(0.0, total - hidden.compute_s))
+
+
+def test_ranking_puts_fitting_layouts_first_fastest_first():
+    preds = explore(run(batch=16))
+    fits = [p for p in preds if p.fits]
+    assert fits and preds[: len(fits)] == fits
+    assert [p.time.step_time_s for p in fits] == sorted(p.time.step_time_s for p in fits)
+    assert all(math.prod(p.layout.values()) == 8 for p in preds)
+    assert not any(p.layout["tsp"] > 1 and p.layout["tensor"] > 1 for p in preds)  # check_layout's refusals hold
+
+
+def test_no_layout_and_fits_nowhere_say_why_and_by_how_much():
+    with pytest.raises(ZayaError, match=r"no layout of 3 devices .*most common reason"):
+        explore(Run(TINY, 64, 16, 1, "none", MI300X, 1, 3))
+    big = Run(preset("zaya1_base", compute_dtype="bfloat16"), 4096, 8, 1, "full", H100, 1, 1)
+    preds = explore(big)
+    assert not any(p.fits for p in preds)
+    message = fits_nowhere_message(big, preds)
+    assert "fits on no layout of 1 x 1 h100" in message and "more than the 67.1 GiB usable" in message
+    over = preds[0].memory.total_bytes - memory.usable_bytes(big)
+    assert f"{over / 1024 ** 3:.1f} GiB" in message
