@@ -3,8 +3,9 @@
 Phase 1's experiment (`zaya1_base_phase1.py`: model, optimizer, layout) with context 32,768
 tokens, RoPE θ 1e6 and the same 16.8M-token global batch (512 sequences). Not published, so
 chosen here: the length (~1T tokens: 59,605 steps), the learning rate (cosine 2e-4 → 2e-5 after
-a short warmup). ZAYA1 ran this phase with all-gather-KV context parallelism; at 1,024 GPUs
-each sequence then spans two devices (mesh.sequence), which arrives with the parallel-layouts work.
+a short warmup). Layout: as ZAYA1 ran this phase, all-gather-KV context parallelism over two
+devices (mesh.sequence = 2, which `zaya mesh` places across a node pair so FSDP keeps the node):
+512 sequences then fill 1,024 GPUs as data 64 x sequence 2 x fsdp 8.
 """
 
 import os
@@ -25,4 +26,6 @@ def get_config():
     config.optim.lr = 2e-4
     config.optim.min_lr = 2e-5
     config.optim.warmup_steps = 200
+
+    config.mesh.sequence = 2
     return config

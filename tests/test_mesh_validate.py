@@ -1,0 +1,97 @@
+"""`zaya mesh` against XLA and end to end: predicted parameter + optimizer bytes per device are
+within 2% of the compiled train step's argument bytes, for two model sizes on 8 fake devices;
+the CLI's table, JSON and plot; every bad input is one line and exit status 2."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from zaya_jax.experiment import load_experiment
+from zaya_jax.explore import memory
+from zaya_jax.explore.placement import describe
+from zaya_jax.explore.validate import validate
+from zaya_jax.explore.workload import Run
+from zaya_jax import hardware
+from zaya_jax.parallel.axes import MESH_AXES
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TINY = os.path.join(ROOT, "experiments", "tiny_cpu.py")
+SMALL = ["--config.train.seq_len=64", "--config.train.global_batch_size=8", "--config.model.num_hidden_layers=2"]
+WIDE = SMALL + ["--config.model.hidden_size=256", "--config.model.num_attention_heads=8", "--config.model.head_dim=32",
+                "--config.model.num_experts=8", "--config.model.moe_intermediate_size=256",
+                "--config.model.num_hidden_layers=1"]
+
+
+def layout(**sizes):
+    return {a: sizes.get(a, 1) for a in MESH_AXES}
+
+
+@pytest.mark.parametrize("overrides, layouts", [
+    (SMALL, [layout(data=8), layout(fsdp=8), layout(tsp=8), layout(expert=4, data=2)]),
+    (WIDE, [layout(fsdp=2, tsp=4), layout(tensor=2, sequence=4), layout(fsdp=2, expert=2, sequence=2)]),
+], ids=["tiny", "wide"])
+def test_predicted_state_bytes_match_xla_arguments(overrides, layouts):
+    exp = load_experiment(TINY, overrides)
+    c = exp.config
+    run = Run(exp.model, c.train.seq_len, c.train.global_batch_size, c.train.grad_accum_steps, c.train.remat,
+              hardware.profile("cpu"), 1, 8, c.train.loss_vocab_chunk)
+    xla = validate(TINY, overrides, layouts, progress=lambda m: None)
+    for sizes in layouts:
+        got = xla[describe(sizes)]
+        predicted = memory.predict(run, sizes)
+        state = predicted.param_bytes + predicted.optimizer_bytes
+        assert got["argument_bytes"] == pytest.approx(state, rel=0.02), describe(sizes)
+        assert got["temp_bytes"] > 0
+
+
+def zaya(*args, devices=1):
+    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}")
+    return subprocess.run([sys.executable, "-m", "zaya_jax", "mesh", *args], capture_output=True, text=True, env=env,
+                          cwd=ROOT, timeout=600)
+
+
+def test_cli_ranks_writes_json_and_plot(tmp_path):
+    out, png = tmp_path / "layouts.json", tmp_path / "layouts.png"
+    result = zaya(f"--config={TINY}", "--hardware=mi300x", "--nodes=2", "--top=5", f"--json={out}", f"--plot={png}",
+                  *SMALL, "--global-batch=16")
+    assert result.returncode == 0, result.stderr
+    assert "layouts of 2 x 8 mi300x (16 devices)" in result.stdout and "best:" in result.stdout
+    rows = json.loads(out.read_text())
+    assert rows and all(set(r) >= {"layout", "fits", "predicted"} for r in rows)
+    assert set(rows[0]["predicted"]) >= {"param_bytes", "grad_bytes", "optimizer_bytes", "activation_bytes",
+                                         "total_bytes", "step_time_s", "mfu"}
+    assert all(sum(1 for _ in r["layout"]) == 6 for r in rows)
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_cli_validate_reports_xla_bytes(tmp_path):
+    out = tmp_path / "v.json"
+    result = zaya(f"--config={TINY}", "--hardware=cpu", "--top=1", "--validate", f"--json={out}", *SMALL, devices=8)
+    assert result.returncode == 0, result.stderr
+    assert "XLA args" in result.stdout and "validate 1/1" in result.stderr
+    first = json.loads(out.read_text())[0]
+    assert first["xla"]["argument_bytes"] > 0 and first["xla"]["temp_bytes"] > 0
+
+
+@pytest.mark.parametrize("args, words", [
+    (["--hardware=tpu9"], "unknown hardware 'tpu9'; choose one of"),
+    (["--hardware=h100", "--nodes=0"], "--nodes must be a positive integer"),
+    (["--hardware=h100", "--gpus-per-node=3"], "no layout of 3 devices works"),
+    (["--hardware=h100", "--nodes=16", "--validate"], "--validate compiles on 128 fake CPU devices"),
+    (["--hardware=h100", "--plot=out.pdf"], "--plot writes a PNG"),
+    (["--hardware=h100", "--collectives=/nonexistent.json"], "does not exist"),
+    (["--hardware=h100", "--config.mesh.dta=2"], "unknown config key"),
+    (["--hardware=cpu", "--gpus-per-node=1", "--config.model.hidden_size=4096", "--config.model.num_hidden_layers=24",
+      "--config.model.vocab_size=262272"], r"fits on no layout of 1 x 1 cpu: .* GiB \(\d+%\) more than"),
+])
+def test_cli_bad_inputs_are_one_line(args, words):
+    result = zaya(f"--config={TINY}", *args)
+    assert result.returncode == 2, result.stdout + result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert lines[-1].startswith("zaya: error:") and "Traceback" not in result.stderr
+    import re
+
+    assert re.search(words, lines[-1]), lines[-1]
