@@ -85,6 +85,7 @@ def test_cli_validate_reports_xla_bytes(tmp_path):
     (["--hardware=h100", "--collectives=/nonexistent.json"], "does not exist"),
     (["--hardware=h100", "--config.mesh.dta=2"], "unknown config key"),
     (["--hardware=cpu", "--gpus-per-node=1", "--config.model.hidden_size=4096", "--config.model.num_hidden_layers=24",
+      "--config.model.moe_intermediate_size=4096",
       "--config.model.vocab_size=262272"], r"fits on no layout of 1 x 1 cpu: .* GiB \(\d+%\) more than"),
 ])
 def test_cli_bad_inputs_are_one_line(args, words):
