@@ -57,7 +57,8 @@ def write_json(path: str, predictions: list[Prediction], xla: dict | None = None
         if xla and describe(p.layout) in xla:
             row["xla"] = xla[describe(p.layout)]
         rows.append(row)
-    _write(path, lambda f: (json.dump(rows, f, indent=1), f.write("\n")))
+    # One layout per line: a thousand layouts stay greppable and diffable.
+    _write(path, lambda f: f.write("[\n" + ",\n".join(json.dumps(r) for r in rows) + "\n]\n"))
 
 
 def write_plot(path: str, predictions: list[Prediction], run: Run) -> None:
