@@ -39,7 +39,7 @@ from zaya_jax.model import cca as cca_math  # module reference: cca imports this
 from zaya_jax.model.segments import sequence_info
 from zaya_jax.parallel.axes import SEQUENCE_AXES
 from zaya_jax.parallel.batch_map import axes_in_context, axis_size, row_spec
-from zaya_jax.parallel.rules import keep_axes, partition_spec
+from zaya_jax.parallel.rules import entry_axes, keep_axes, partition_spec, spec_axes
 
 LAYOUT_AXES = ("tsp", "tensor", "sequence")  # any of these > 1 routes attention through this schedule
 
@@ -127,7 +127,7 @@ def _device_groups(params, specs, cfg, dtype):
     if tensor == 1:
         return w, 0, groups
     first = jax.lax.axis_index("tensor") * groups
-    replicated = [n for n, src in cca_math.SOURCE.items() if "tensor" not in _axes(specs[src])]
+    replicated = [n for n, src in cca_math.SOURCE.items() if "tensor" not in spec_axes(specs[src])]
     return cca_math.select_groups(w, first, groups, cfg, replicated), first, groups
 
 
@@ -136,7 +136,7 @@ def _gather_bucket(wb: dict, specs: dict) -> dict:
     out = dict(wb)
     for name, src in cca_math.SOURCE.items():
         for dim, entry in enumerate(specs[src]):
-            if "tsp" in _axes_of(entry):
+            if "tsp" in entry_axes(entry):
                 out[name] = jax.lax.all_gather(wb[name], "tsp", axis=dim, tiled=True)
     return out
 
@@ -148,7 +148,7 @@ def _varying(params: dict, specs: dict) -> dict:
     axes = axes_in_context()
     out = {}
     for name, leaf in params.items():
-        missing = tuple(a for a in axes if a not in _axes(specs[name]))
+        missing = tuple(a for a in axes if a not in spec_axes(specs[name]))
         out[name] = _pvary(leaf, missing) if missing else leaf
     return out
 
@@ -164,10 +164,3 @@ def _from_previous(rows, axes):
     size = math.prod(axis_size(a) for a in axes)
     return jax.lax.ppermute(rows, axes, [(i, i + 1) for i in range(size - 1)])
 
-
-def _axes(spec) -> set[str]:
-    return set().union(*(_axes_of(e) for e in spec)) if len(spec) else set()
-
-
-def _axes_of(entry) -> tuple[str, ...]:
-    return (entry,) if isinstance(entry, str) else tuple(entry or ())

@@ -57,12 +57,22 @@ def partition_spec(logical_axes: Iterable[str | None] | None, mesh: Mesh, shape=
     return PartitionSpec(*spec)
 
 
+def entry_axes(entry) -> tuple[str, ...]:
+    """The mesh axes of one PartitionSpec entry (None, an axis name, or a tuple of them)."""
+    return (entry,) if isinstance(entry, str) else tuple(entry or ())
+
+
+def spec_axes(spec: PartitionSpec) -> set[str]:
+    """Every mesh axis a PartitionSpec shards over."""
+    return {a for entry in spec for a in entry_axes(entry)}
+
+
 def keep_axes(spec: PartitionSpec, keep: Iterable[str]) -> PartitionSpec:
     """`spec` with only the mesh axes in `keep` (the others become replicated)."""
     keep = set(keep)
     out = []
     for entry in spec:
-        axes = tuple(a for a in ((entry,) if isinstance(entry, str) else (entry or ())) if a in keep)
+        axes = tuple(a for a in entry_axes(entry) if a in keep)
         out.append(axes[0] if len(axes) == 1 else (axes or None))
     return PartitionSpec(*out)
 
