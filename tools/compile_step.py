@@ -51,20 +51,20 @@ def main(argv=None) -> int:
 
 
 def compile_report(program) -> dict:
-    compiled, seconds = program.compile_train_step()
-    mem = compiled.memory_analysis()
+    from zaya_jax.explore.validate import memory_report
+
+    mem = memory_report(program)
     c = program.exp.config
     return {
         "config": program.exp.source,
         "mesh": {k: int(v) for k, v in program.mesh.shape.items()},
         "global_batch_size": c.train.global_batch_size, "seq_len": c.train.seq_len,
         "grad_accum_steps": c.train.grad_accum_steps, "remat": c.train.remat,
-        "compute_dtype": c.model.compute_dtype, "compile_sec": round(seconds, 1),
+        "compute_dtype": c.model.compute_dtype, "compile_sec": mem["compile_s"],
         "per_device_bytes": {
-            "arguments": int(mem.argument_size_in_bytes), "outputs": int(mem.output_size_in_bytes),
-            "aliased": int(mem.alias_size_in_bytes), "temporaries": int(mem.temp_size_in_bytes),
-            "total": int(mem.argument_size_in_bytes + mem.output_size_in_bytes - mem.alias_size_in_bytes
-                         + mem.temp_size_in_bytes),
+            "arguments": mem["argument_bytes"], "outputs": mem["output_bytes"], "aliased": mem["alias_bytes"],
+            "temporaries": mem["temp_bytes"],
+            "total": mem["argument_bytes"] + mem["output_bytes"] - mem["alias_bytes"] + mem["temp_bytes"],
         },
     }
 
