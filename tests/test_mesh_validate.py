@@ -15,6 +15,7 @@ from zaya_jax.explore.placement import describe
 from zaya_jax.explore.validate import validate
 from zaya_jax.explore.workload import Run
 from zaya_jax import hardware
+from zaya_jax.errors import ZayaError
 from zaya_jax.parallel.axes import MESH_AXES
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -34,10 +35,7 @@ def layout(**sizes):
     (WIDE, [layout(fsdp=2, tsp=4), layout(tensor=2, sequence=4), layout(fsdp=2, expert=2, sequence=2)]),
 ], ids=["tiny", "wide"])
 def test_predicted_state_bytes_match_xla_arguments(overrides, layouts):
-    exp = load_experiment(TINY, overrides)
-    c = exp.config
-    run = Run(exp.model, c.train.seq_len, c.train.global_batch_size, c.train.grad_accum_steps, c.train.remat,
-              hardware.profile("cpu"), 1, 8, c.train.loss_vocab_chunk)
+    run = Run.from_experiment(load_experiment(TINY, overrides), hardware.profile("cpu"), 1, 8)
     xla = validate(TINY, overrides, layouts, progress=lambda m: None)
     for sizes in layouts:
         got = xla[describe(sizes)]
@@ -82,6 +80,9 @@ def test_cli_validate_reports_xla_bytes(tmp_path):
     (["--hardware=h100", "--gpus-per-node=3"], "no layout of 3 devices works"),
     (["--hardware=h100", "--nodes=16", "--validate"], "--validate compiles on 128 fake CPU devices"),
     (["--hardware=h100", "--plot=out.pdf"], "--plot writes a PNG"),
+    (["--hardware=h100", "--top=-1"], "--top must be 0 \\(all\\) or a positive count"),
+    (["--hardware=h100", "--global-batch=0"], "--global-batch must be a positive integer"),
+    (["--hardware=h100", "--json=/nonexistent/layouts.json"], "cannot write /nonexistent/layouts.json: folder"),
     (["--hardware=h100", "--collectives=/nonexistent.json"], "does not exist"),
     (["--hardware=h100", "--config.mesh.dta=2"], "unknown config key"),
     (["--hardware=cpu", "--gpus-per-node=1", "--config.model.hidden_size=4096", "--config.model.num_hidden_layers=24",
@@ -96,3 +97,16 @@ def test_cli_bad_inputs_are_one_line(args, words):
     import re
 
     assert re.search(words, lines[-1]), lines[-1]
+
+
+def test_cli_bad_collectives_file_is_one_line(tmp_path):
+    bad = tmp_path / "busbw.json"
+    bad.write_text('[{"tier": "intra", "op": "all_gather", "group": 8, "bytes": 1}]')
+    result = zaya(f"--config={TINY}", "--hardware=mi300x", f"--collectives={bad}")
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert result.stderr.strip().splitlines()[-1].startswith("zaya: error: --collectives file") and "record 0" in result.stderr
+
+
+def test_validate_refuses_a_layout_larger_than_the_devices():
+    with pytest.raises(ZayaError, match="--validate needs 16 devices and JAX sees 8"):
+        validate(TINY, SMALL, [layout(data=16)], progress=lambda m: None)

@@ -53,6 +53,11 @@ def _check_numbers(args) -> None:
         raise ZayaError(f"--top must be 0 (all) or a positive count, got {args.top}")
     if args.plot and not args.plot.lower().endswith(".png"):
         raise ZayaError(f"--plot writes a PNG; name the file *.png, got {args.plot}")
+    from zaya_jax.explore.report import check_writable
+
+    for path in (args.json, args.plot):
+        if path:
+            check_writable(path)
     devices = args.nodes * args.gpus_per_node
     if args.validate and devices > MAX_VALIDATE_DEVICES:
         raise ZayaError(f"--validate compiles on {devices} fake CPU devices here; ask for at most "
@@ -89,10 +94,7 @@ def run(args, overrides: list[str]) -> int:
         overrides += [f"--config.train.seq_len={args.seq}", f"--config.model.max_position_embeddings={args.seq}"]
     if args.global_batch:
         overrides.append(f"--config.train.global_batch_size={args.global_batch}")
-    exp = load_experiment(args.config, overrides)
-    c = exp.config
-    question = Run(exp.model, c.train.seq_len, c.train.global_batch_size, c.train.grad_accum_steps, c.train.remat,
-                   hw, args.nodes, args.gpus_per_node, c.train.loss_vocab_chunk)
+    question = Run.from_experiment(load_experiment(args.config, overrides), hw, args.nodes, args.gpus_per_node)
     predictions = explore(question, Network(hw, curves))
     shown = predictions[: args.top or None]
     fitting = [p for p in predictions if p.fits]

@@ -18,12 +18,12 @@ import jax.numpy as jnp
 
 from zaya_jax.config import ModelConfig
 from zaya_jax.model.params import PARAM_DTYPE
-from zaya_jax.parallel.rules import partition_spec
+from zaya_jax.parallel.rules import partition_spec, spec_axes
+from zaya_jax.train.muon import MatrixView
 from zaya_jax.train.optim import rule_for
 
 PARAM_BYTES = jnp.dtype(PARAM_DTYPE).itemsize  # fp32 master weights
 OPTIMIZER_STATES = {"muon": 1, "adamw": 2}  # fp32 tensors of the parameter's shape
-BATCH_FIELDS = 5  # inputs, targets, segment_ids, positions, loss_mask: 4 bytes per token each
 
 
 @dataclasses.dataclass(frozen=True)
@@ -35,6 +35,7 @@ class ParamGroup:
     axes: tuple[str, ...]
     count: int
     optimizer: str  # "muon" | "adamw"
+    view: MatrixView | None  # how Muon reads it as a batch of matrices
     part: str  # "attention" | "experts" | "router" | "embedding" | "other": for the schedules' buffers
 
     @property
@@ -71,7 +72,8 @@ def param_groups(cfg: ModelConfig) -> tuple[ParamGroup, ...]:
         count = 1
         if parts[0] == "layers" and parts[1] == "1":
             count = layers - 1  # block 1 stands for blocks 1..L-1
-        groups.append(ParamGroup(path, tuple(shape), tuple(axes[path]), count, rule_for(path).optimizer, _part(path)))
+        rule = rule_for(path)
+        groups.append(ParamGroup(path, tuple(shape), tuple(axes[path]), count, rule.optimizer, rule.view, _part(path)))
     return tuple(groups)
 
 
@@ -81,19 +83,20 @@ def block_groups(cfg: ModelConfig) -> list[ParamGroup]:
     return [g for g in param_groups(cfg) if g.path.startswith(layer)]
 
 
+@functools.lru_cache(maxsize=65536)
+def _sharded_axes(group: ParamGroup, sizes: tuple[tuple[str, int], ...]) -> frozenset[str]:
+    mesh = types.SimpleNamespace(shape=dict(sizes))
+    return frozenset(spec_axes(partition_spec(group.axes, mesh, group.shape)))
+
+
+def sharded_axes(group: ParamGroup, sizes: dict[str, int]) -> frozenset[str]:
+    """The mesh axes the rules table splits this parameter over, on a mesh of these axis sizes."""
+    return _sharded_axes(group, tuple(sizes.items()))
+
+
 def shard_count(group: ParamGroup, sizes: dict[str, int]) -> int:
-    """How many ways the rules table splits this parameter on a mesh of these axis sizes."""
-    spec = partition_spec(group.axes, types.SimpleNamespace(shape=sizes), group.shape)
-    n = 1
-    for entry in spec:
-        for axis in (entry,) if isinstance(entry, str) else (entry or ()):
-            n *= sizes[axis]
-    return n
-
-
-def sharded_axes(group: ParamGroup, sizes: dict[str, int]) -> set[str]:
-    spec = partition_spec(group.axes, types.SimpleNamespace(shape=sizes), group.shape)
-    return {a for entry in spec for a in ((entry,) if isinstance(entry, str) else (entry or ()))}
+    """How many ways the rules table splits this parameter."""
+    return math.prod(sizes[a] for a in sharded_axes(group, sizes))
 
 
 def local_bytes(group: ParamGroup, sizes: dict[str, int], gathered: tuple[str, ...] = ()) -> float:
@@ -114,10 +117,3 @@ def state_bytes(cfg: ModelConfig, sizes: dict[str, int]) -> StateBytes:
     biases = cfg.num_hidden_layers * (cfg.num_experts + 1) * 4  # replicated fp32 [E+1] per layer
     return StateBytes(params=params + biases, grads=params, optimizer=optimizer + 2 * biases)
 
-
-def batch_bytes(micro_batch: int, grad_accum: int, seq_len: int, sizes: dict[str, int]) -> float:
-    """The step's input arrays on one device: [A, b, S] split over the batch and sequence axes."""
-    from zaya_jax.parallel.axes import BATCH_AXES, SEQUENCE_AXES
-
-    split = math.prod(sizes[a] for a in BATCH_AXES + SEQUENCE_AXES)
-    return BATCH_FIELDS * 4 * grad_accum * micro_batch * seq_len / split

@@ -26,6 +26,7 @@ from zaya_jax.explore.workload import Run, Share, share
 
 HEADROOM = 0.10
 F32 = 4
+BATCH_FIELDS = 5  # the step's inputs: inputs, targets, segment_ids, positions, loss_mask (4 bytes a token)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -89,12 +90,12 @@ def block_bytes_per_token(run: Run, s: Share) -> float:
 
 def stored_per_token(run: Run, s: Share) -> float:
     """Per token, what all blocks keep until the backward under the remat policy."""
-    layers, full = run.cfg.num_hidden_layers, block_bytes_per_token(run, s)
+    layers = run.cfg.num_hidden_layers
     if run.remat == "full":
         return layers * (run.cfg.hidden_size + run.cfg.router_hidden_size) * F32
     if run.remat == "dots":
         return layers * matmul_outputs_bytes(run, s)
-    return layers * full
+    return layers * block_bytes_per_token(run, s)
 
 
 def loss_bytes(run: Run, tokens: float) -> float:
@@ -139,6 +140,6 @@ def predict(run: Run, sizes: dict[str, int]) -> Memory:
         "loss": loss_bytes(run, s.tokens),
         **schedule_bytes(run, sizes, s),
         "optimizer_temporaries": muon_temporaries(run, sizes),
-        "inputs": inventory.batch_bytes(run.micro_batch, run.grad_accum, run.seq_len, sizes),
+        "inputs": BATCH_FIELDS * 4 * run.grad_accum * s.tokens,  # [A, b, S], split like the tokens
     }
     return Memory(state.params, grads, state.optimizer, sum(parts.values()), parts)

@@ -87,11 +87,16 @@ def write_plot(path: str, predictions: list[Prediction], run: Run) -> None:
     plt.close(fig)
 
 
-def _write(path: str, dump, binary: bool = False) -> None:
-    """Write through a temporary file, so a failure never leaves half a file at `path`."""
+def check_writable(path: str) -> None:
+    """Fail before the work, not after it, when an output's folder is missing."""
     folder = os.path.dirname(os.path.abspath(path))
     if not os.path.isdir(folder):
         raise ZayaError(f"cannot write {path}: folder {folder} does not exist")
+
+
+def _write(path: str, dump, binary: bool = False) -> None:
+    """Write through a temporary file, so a failure never leaves half a file at `path`."""
+    check_writable(path)
     tmp = path + ".tmp"
     try:
         with open(tmp, "wb" if binary else "w") as f:

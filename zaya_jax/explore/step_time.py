@@ -124,26 +124,25 @@ def _gradient_reductions(run: Run, sizes: dict[str, int], where: dict[str, Span]
 
 def optimizer_seconds(run: Run, sizes: dict[str, int]) -> float:
     """Muon's Newton–Schulz on each device's shard of each matrix, plus one pass over the state."""
-    ns = run_ns_flops(run, sizes)
     state = inventory.state_bytes(run.cfg, sizes)
     stream = 3 * (state.params + state.grads + state.optimizer)  # read grads and state, write state
     hw = run.hw
-    return ns / (hw.peak_bf16_tflops * 1e12 * hw.compute_efficiency) + stream / (hw.hbm_tb_per_s * 1e12 or 1e12)
+    return (newton_schulz_flops(run, sizes) / (hw.peak_bf16_tflops * 1e12 * hw.compute_efficiency)
+            + stream / (hw.hbm_tb_per_s * 1e12))
 
 
-def run_ns_flops(run: Run, sizes: dict[str, int]) -> float:
-    from zaya_jax.train.optim import rule_for
-
-    steps, total = 5, 0.0
+def newton_schulz_flops(run: Run, sizes: dict[str, int]) -> float:
+    """Per device: each iteration of `train/muon.newton_schulz` on an m x n matrix (m <= n) is
+    X·Xᵀ (2m²n), its square (2m³) and that times X (2m²n)."""
+    total = 0.0
     for g in inventory.param_groups(run.cfg):
         if g.optimizer != "muon":
             continue
-        view = rule_for(g.path).view
-        batch = math.prod(g.shape[: view.batch_axes])
-        fan_in = math.prod(g.shape[view.batch_axes: view.batch_axes + view.in_axes])
+        batch = math.prod(g.shape[: g.view.batch_axes])
+        fan_in = math.prod(g.shape[g.view.batch_axes: g.view.batch_axes + g.view.in_axes])
         fan_out = g.elements // (batch * fan_in)
         m, n = min(fan_in, fan_out), max(fan_in, fan_out)
-        total += g.count * batch * steps * (4 * m * m * n + 2 * m ** 3) / inventory.shard_count(g, sizes)
+        total += g.count * batch * run.ns_steps * (4 * m * m * n + 2 * m ** 3) / inventory.shard_count(g, sizes)
     return total
 
 
