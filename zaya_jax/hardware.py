@@ -32,6 +32,14 @@ devices in a node uses k-1 of them; "switch": every device gets `link_gb_per_s` 
 * Scale-out: one 400 Gb/s NIC per GPU (Pollara 400 on ZAYA1's rails-only IBM cluster; ConnectX-7
   NDR on NVIDIA nodes) = 50 GB/s per direction; 46-48 measured (nccl-tests#290), hence 0.94.
   Inter-node latency per ring step 10 us (order of NCCL's per-hop network constants).
+Shared memory per program (`shared_memory_kib`, what one Triton program may allocate; the bound
+`kernels/resources.py` checks every tuning row against):
+* MI300X / MI325X (gfx942, CDNA3): 64 KiB of LDS per CU (AMD CDNA3 ISA guide; a Pallas kernel
+  asking more fails with "Shared memory size limit exceeded: requested 98304, available: 65536").
+* MI355X (gfx950, CDNA4): 160 KiB of LDS per CU (AMD CDNA4 whitepaper).
+* H100 / H200 (sm_90): 227 KiB per thread block with the opt-in carve-out (CUDA programming
+  guide, compute capability 9.0: 228 KiB per SM, 1 KiB reserved per block).
+
 * cpu: NOT a measurement. Nominal numbers (1 TFLOP/s per device, 32 GB, 10 GB/s links) so MFU
   and the explorer's code paths are defined on CPU; `nominal=True` marks it.
 """
@@ -63,19 +71,23 @@ class HardwareProfile:
     latency_us_intra: float = 13.0  # one small collective inside a node
     latency_us_inter: float = 10.0  # per ring step across nodes
     nominal: bool = False  # True: a placeholder, not a datasheet figure
+    target: str = "cpu"  # the kernel target (`kernels.registry.TARGETS`) this device compiles for
+    shared_memory_kib: int = 0  # shared memory / LDS one Triton program may use (0: no limit checked)
 
 
 PROFILES: dict[str, HardwareProfile] = {
     p.name: p
     for p in (
-        HardwareProfile("mi300x", 1307.4, 192, 5.3, "AMD Instinct MI300X datasheet", 0.54, "mesh", 7, 48.0, 0.9),
-        HardwareProfile("mi325x", 1307.4, 256, 6.0, "AMD Instinct MI325X product page", 0.645, "mesh", 7, 48.0, 0.9),
+        HardwareProfile("mi300x", 1307.4, 192, 5.3, "AMD Instinct MI300X datasheet", 0.54, "mesh", 7, 48.0, 0.9,
+                        target="rocm", shared_memory_kib=64),
+        HardwareProfile("mi325x", 1307.4, 256, 6.0, "AMD Instinct MI325X product page", 0.645, "mesh", 7, 48.0, 0.9,
+                        target="rocm", shared_memory_kib=64),
         HardwareProfile("mi355x", 2516.6, 288, 8.0, "AMD MI355X product page / CDNA4 whitepaper (~2.5 PF dense BF16)",
-                        0.62, "mesh", 7, 57.0, 0.9),
+                        0.62, "mesh", 7, 57.0, 0.9, target="rocm", shared_memory_kib=160),
         HardwareProfile("h100", 989.4, 80, 3.35, "NVIDIA H100 SXM datasheet", 0.80, "switch", 1, 450.0, 0.82,
-                        latency_us_intra=8.0),
+                        latency_us_intra=8.0, target="cuda", shared_memory_kib=227),
         HardwareProfile("h200", 989.4, 141, 4.8, "NVIDIA H200 SXM datasheet", 0.80, "switch", 1, 450.0, 0.82,
-                        latency_us_intra=8.0),
+                        latency_us_intra=8.0, target="cuda", shared_memory_kib=227),
         HardwareProfile("cpu", 1.0, 32, 0.1, "nominal 1 TFLOP/s so MFU is defined on CPU; not a measurement",
                         1.0, "switch", 1, 10.0, 1.0, scale_out_gb_per_s=1.0, nic_efficiency=1.0, nominal=True),
     )

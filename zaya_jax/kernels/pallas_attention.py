@@ -76,7 +76,7 @@ def flash_attention(q, k, v, segment_ids=None, *, causal=True, scale=None, block
     """Pallas flash attention; same contract as `kernels.reference.attention` (`q_offset` static)."""
     q_seq, nq, dim = q.shape[1:]
     seq, nk = k.shape[1:3]
-    blocks = _fit_blocks(blocks or blocks_for("attention"), max(seq, q_seq))
+    blocks = _fit_blocks(blocks or blocks_for("attention", q.dtype), max(seq, q_seq))
     multiple = max(blocks.block_q, blocks.block_k, blocks.block_q_bwd, blocks.block_k_bwd)
     plan = _Plan(causal=bool(causal), scale=float(dim ** -0.5 if scale is None else scale), seq=seq,
                  seq_pad=_round_up(seq, multiple), q_seq_pad=_round_up(q_seq, multiple), q_offset=int(q_offset),

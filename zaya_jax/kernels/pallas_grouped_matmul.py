@@ -36,7 +36,7 @@ class _Plan:
 
 def grouped_matmul(lhs, rhs, group_sizes, *, preferred_element_type=None, blocks=None, interpret=False):
     """Pallas grouped matmul; same contract as `kernels.reference.grouped_matmul`."""
-    plan = _Plan(blocks or blocks_for("grouped_matmul"), bool(interpret),
+    plan = _Plan(blocks or blocks_for("grouped_matmul", lhs.dtype), bool(interpret),
                  jnp.dtype(preferred_element_type or lhs.dtype))
     return _grouped(lhs, rhs, group_sizes.astype(jnp.int32), plan)
 
@@ -44,7 +44,7 @@ def grouped_matmul(lhs, rhs, group_sizes, *, preferred_element_type=None, blocks
 def grouped_matmul_transposed(lhs, dout, group_sizes, num_groups: int, *, preferred_element_type=None,
                               blocks=None, interpret=False):
     """Pallas weight-gradient form; same contract as `kernels.reference.grouped_matmul_transposed`."""
-    plan = _Plan(blocks or blocks_for("grouped_matmul"), bool(interpret),
+    plan = _Plan(blocks or blocks_for("grouped_matmul", lhs.dtype), bool(interpret),
                  jnp.dtype(preferred_element_type or lhs.dtype))
     return _transposed_call(lhs, dout.astype(lhs.dtype), group_sizes.astype(jnp.int32), num_groups, plan)
 

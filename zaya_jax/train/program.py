@@ -5,6 +5,12 @@ shardings of every state leaf (from the logical → mesh rules), the initial sta
 directly on the devices, and the jitted train and eval steps. `abstract_state()` and
 `compile_train_step()` work from shapes alone, so a full-size model can be compiled for a
 target mesh without allocating it (see `tools/compile_step.py`).
+
+The program also names its kernel target (`kernels.registry.TARGETS`): by default the platform
+of its mesh's devices. Its steps are traced under that target, so `auto` kernels, Pallas
+interpret mode and block sizes follow the devices the program runs on, never a global probe.
+A program built on CPU devices for target `cuda` or `rocm` cannot run, but it can be lowered
+for that GPU (`lower_train_step`, `tools/lower_for_gpu.py`): the Pallas → Triton check on CPU.
 """
 
 from __future__ import annotations
@@ -17,7 +23,9 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from zaya_jax.errors import ZayaError
 from zaya_jax.experiment import Experiment
+from zaya_jax.kernels.registry import device_target, targeting
 from zaya_jax.parallel.mesh import mesh_for
 from zaya_jax.parallel.rules import named_sharding
 from zaya_jax.train import balancing
@@ -32,9 +40,11 @@ class Program:
     exp: Experiment
     mesh: Mesh
     modeldef: ModelDef
+    target: str | None = None  # kernel target; None: the platform of the mesh's devices
 
     def __post_init__(self):
         c = self.exp.config
+        self.target = self.target or device_target(self.mesh.devices.flat[0])
         self.tx, self.schedule = build_optimizer(c.optim, c.train.steps, self.modeldef.param_axes)
         self.balance_tx = balancing.balancer(c.optim.balance_lr, c.optim.balance_b1, c.optim.balance_b2)
         self.step_cfg = StepConfig(remat=c.train.remat, vocab_chunk=c.train.loss_vocab_chunk)
@@ -97,13 +107,14 @@ class Program:
                        out_shardings=(self.state_shardings, self.replicated()), donate_argnums=0)
 
     def _under_mesh(self, fn):
-        """fn traced with this mesh in context, so kernels that GSPMD cannot partition can shard_map
-        themselves over it (`parallel/batch_map.py`)."""
+        """fn traced with this mesh and kernel target in context, so kernels that GSPMD cannot
+        partition can shard_map themselves over it (`parallel/batch_map.py`) and kernels are built
+        for the devices the program runs on."""
         mesh = self.mesh.abstract_mesh
 
         @functools.wraps(fn)
         def traced(*args):
-            with jax.sharding.use_abstract_mesh(mesh):
+            with jax.sharding.use_abstract_mesh(mesh), targeting(self.target):
                 return fn(*args)
 
         return traced
@@ -113,8 +124,21 @@ class Program:
         return jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
                             self.abstract_state(), self.state_shardings)
 
+    def runs_here(self) -> bool:
+        """True when the kernel target is the mesh devices' own platform (the program can compile and run)."""
+        return self.target == device_target(self.mesh.devices.flat[0])
+
+    def lower_train_step(self, platform: str | None = None):
+        """The train step lowered from abstract shapes for `platform` (default: the kernel target)."""
+        platform = platform or self.target
+        return self.jitted_train_step().trace(self.placed_abstract_state(), self.abstract_batch()).lower(
+            lowering_platforms=(platform,))
+
     def compile_train_step(self):
         """AOT-compile the train step from abstract shapes; returns (compiled, seconds)."""
+        if not self.runs_here():
+            raise ZayaError(f"this program's kernels target {self.target} but its devices are "
+                            f"{device_target(self.mesh.devices.flat[0])}: it can be lowered, not compiled")
         start = time.perf_counter()
         compiled = self.jitted_train_step().lower(self.placed_abstract_state(), self.abstract_batch()).compile()
         return compiled, time.perf_counter() - start
@@ -139,8 +163,9 @@ class Program:
         return {k: jax.make_array_from_process_local_data(sharding, batch[k]) for k in BATCH_KEYS}
 
 
-def build_program(exp: Experiment, devices=None) -> Program:
+def build_program(exp: Experiment, devices=None, target: str | None = None) -> Program:
+    """The program of `exp` on `devices` (default all), its kernels built for `target` (default theirs)."""
     c = exp.config
     micro = c.train.global_batch_size // c.train.grad_accum_steps
     mesh = mesh_for(dict(c.mesh), exp.model, micro, c.train.seq_len, devices)
-    return Program(exp, mesh, model_def(exp.model))
+    return Program(exp, mesh, model_def(exp.model), target)

@@ -1,0 +1,135 @@
+"""Lowering for a GPU on a machine without one: the Pallas → Triton check that CPU tests can run.
+
+`jax.jit(f).trace(...).lower(lowering_platforms=("cuda",))` runs Pallas's Triton lowering in
+Python, so a kernel that Triton cannot express (an unsupported primitive, a bad block shape)
+fails here, on CPU, with the error it would give on the GPU. The CPU interpreter, which runs the
+same kernels in tests, accepts many such programs. This module owns:
+
+- `lower(fn, args, platform)`: the StableHLO text of `fn` lowered for `cuda` or `rocm`, traced
+  under that kernel target (so `auto` kernels, interpret mode and tuning rows are the GPU's);
+- `triton_calls(text)`: how many Triton kernel calls the text holds, by kernel name;
+- `KERNEL_CASES` / `lower_kernel_case`: every Pallas kernel, forward and forward+backward, at
+  ZAYA1's shapes (head_dim 128, 8 query : 2 KV heads, packed segment ids, the sequence-split
+  offset form, 16 experts of 2048 x 2048), from shapes alone (nothing is allocated).
+
+`tools/lower_for_gpu.py` is the command; `Program.lower_train_step` lowers a whole train step.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import re
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+
+from zaya_jax.errors import ZayaError
+from zaya_jax.kernels import ops
+from zaya_jax.kernels.registry import GPU_TARGETS, targeting
+
+# The custom-call targets a Pallas Triton kernel lowers to: jaxlib <= 0.10.2 hands XLA the Triton
+# IR (`__gpu$xla.gpu.triton`); later versions compile it while lowering (`triton_kernel_call_ffi`).
+_TRITON_CALL = re.compile(r'custom_call @(?:"?__gpu\$xla\.gpu\.triton"?|triton_kernel_call_ffi)\(.*?name = "([^"]*)"')
+
+
+def check_platform(platform: str) -> str:
+    if platform not in GPU_TARGETS:
+        raise ZayaError(f"GPU lowering takes a platform in {GPU_TARGETS}, got {platform!r}")
+    return platform
+
+
+def lower(fn: Callable, args, platform: str) -> str:
+    """StableHLO text of jit(fn)(*args) lowered for `platform` ('cuda' or 'rocm'), traced for that target."""
+    check_platform(platform)
+    with targeting(platform):
+        return jax.jit(fn).trace(*args).lower(lowering_platforms=(platform,)).as_text()
+
+
+def triton_calls(text: str) -> collections.Counter:
+    """Triton kernel calls in lowered text, counted by kernel name."""
+    return collections.Counter(_TRITON_CALL.findall(text))
+
+
+# ---------------------------------------------------------------------------------------------
+# Every Pallas kernel at ZAYA1 shapes
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelCase:
+    name: str
+    fn: Callable  # takes the args below, returns an array or a tuple of gradients
+    args: tuple  # jax.ShapeDtypeStruct each
+    expected: dict  # kernel name → Triton calls that must appear
+
+
+def _spec(shape, dtype):
+    return jax.ShapeDtypeStruct(shape, dtype)
+
+
+def _fwd_bwd(fn, argnums):
+    """Loss and gradients of sum(fn(...)): forward and backward kernels both stay live."""
+    def loss(*args):
+        return jnp.sum(fn(*args).astype(jnp.float32))
+
+    return jax.value_and_grad(loss, argnums)
+
+
+def kernel_cases(dtype=jnp.bfloat16, seq: int = 4096) -> list[KernelCase]:
+    """The Pallas kernels forward and forward+backward at ZAYA1 shapes with operands of `dtype`."""
+    batch, heads, kv_heads, head_dim = 1, 8, 2, 128
+    hidden, experts, width, tokens = 2048, 16, 2048, seq
+    q, kv = _spec((batch, seq, heads, head_dim), dtype), _spec((batch, seq, kv_heads, head_dim), dtype)
+    seg = _spec((batch, seq), jnp.int32)
+    half = seq // 2
+    q_half, seg_half = _spec((batch, half, heads, head_dim), dtype), _spec((batch, half), jnp.int32)
+
+    def attention(q, k, v, segs):
+        return ops.flash_attention(q, k, v, segment_ids=segs, backend="pallas")
+
+    def attention_offset(q, k, v, segs, kv_segs):  # the second half of a sequence split in two
+        return ops.flash_attention(q, k, v, segment_ids=segs, kv_segment_ids=kv_segs, q_offset=half,
+                                   backend="pallas")
+
+    lhs, rhs, sizes = _spec((tokens, hidden), dtype), _spec((experts, hidden, width), dtype), \
+        _spec((experts,), jnp.int32)
+
+    def gmm(lhs, rhs, sizes):
+        return ops.grouped_matmul(lhs, rhs, sizes, preferred_element_type=jnp.float32, backend="pallas")
+
+    x, w = _spec((tokens, hidden), dtype), _spec((hidden,), jnp.float32)
+
+    def norm(x, w):
+        return ops.rms_norm(x, w, eps=1e-5, backend="pallas")
+
+    attn_fwd = {"zaya_forward_kernel": 1}
+    attn_all = {"zaya_forward_kernel": 1, "zaya_dq_kernel": 1, "zaya_dkv_kernel": 1}
+    return [
+        KernelCase("attention fwd", attention, (q, kv, kv, seg), attn_fwd),
+        KernelCase("attention fwd+bwd", _fwd_bwd(attention, (0, 1, 2)), (q, kv, kv, seg), attn_all),
+        KernelCase("attention offset fwd", attention_offset, (q_half, kv, kv, seg_half, seg), attn_fwd),
+        KernelCase("attention offset fwd+bwd", _fwd_bwd(attention_offset, (0, 1, 2)),
+                   (q_half, kv, kv, seg_half, seg), attn_all),
+        KernelCase("grouped matmul fwd", gmm, (lhs, rhs, sizes), {"zaya_grouped_matmul": 1}),
+        KernelCase("grouped matmul fwd+bwd", _fwd_bwd(gmm, (0, 1)), (lhs, rhs, sizes),
+                   {"zaya_grouped_matmul": 2, "zaya_grouped_matmul_transposed": 1}),
+        KernelCase("rms norm fwd", norm, (x, w), {"zaya_rms_norm_fwd": 1}),
+        KernelCase("rms norm fwd+bwd", _fwd_bwd(norm, (0, 1)), (x, w),
+                   {"zaya_rms_norm_fwd": 1, "zaya_rms_norm_bwd": 1}),
+    ]
+
+
+def lower_kernel_case(case: KernelCase, platform: str) -> collections.Counter:
+    """Lower one case for `platform`; ZayaError naming the case unless exactly the expected calls appear."""
+    try:
+        text = lower(case.fn, case.args, platform)
+    except ZayaError:
+        raise
+    except Exception as e:  # the Triton lowering's own error, named for the kernel that raised it
+        raise ZayaError(f"{case.name} does not lower for {platform}: {type(e).__name__}: "
+                        f"{str(e).splitlines()[0] if str(e) else ''}") from e
+    calls = triton_calls(text)
+    if dict(calls) != case.expected:
+        raise ZayaError(f"{case.name} lowered for {platform} to Triton calls {dict(calls)}, expected {case.expected}")
+    return calls
