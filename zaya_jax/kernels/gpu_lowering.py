@@ -27,11 +27,33 @@ import jax.numpy as jnp
 
 from zaya_jax.errors import ZayaError
 from zaya_jax.kernels import ops
-from zaya_jax.kernels.registry import GPU_TARGETS, targeting
+from zaya_jax.kernels.registry import GPU_TARGETS, device_target, targeting
 
 # The custom-call targets a Pallas Triton kernel lowers to: jaxlib <= 0.10.2 hands XLA the Triton
 # IR (`__gpu$xla.gpu.triton`); later versions compile it while lowering (`triton_kernel_call_ffi`).
+_LAUNCH = re.compile(r'name = "([^"]*)", num_stages = (\d+) : i32, num_warps = (\d+) : i32')
 _TRITON_CALL = re.compile(r'custom_call @(?:"?__gpu\$xla\.gpu\.triton"?|triton_kernel_call_ffi)\(.*?name = "([^"]*)"')
+
+
+def can_lower(platform: str) -> tuple[bool, str]:
+    """(True, "") when this installation can lower Pallas kernels for `platform`, else (False, why).
+
+    jaxlib <= 0.10.2 hands XLA the Triton IR, so any machine can lower for either GPU platform.
+    Later jaxlibs compile the IR while lowering, through the platform's plugin: that needs a
+    GPU of that platform here.
+    """
+    from jax._src.lib import version as jaxlib_version
+
+    if jaxlib_version <= (0, 10, 2):
+        return True, ""
+    try:
+        here = [device_target(d) for d in jax.local_devices(backend="gpu")]
+    except RuntimeError:
+        here = []
+    if platform in here:
+        return True, ""
+    return False, (f"jaxlib {'.'.join(map(str, jaxlib_version))} compiles Triton while lowering, which needs "
+                   f"a {platform} GPU here; lowering without one needs jaxlib <= 0.10.2")
 
 
 def check_platform(platform: str) -> str:
@@ -50,6 +72,12 @@ def lower(fn: Callable, args, platform: str) -> str:
 def triton_calls(text: str) -> collections.Counter:
     """Triton kernel calls in lowered text, counted by kernel name."""
     return collections.Counter(_TRITON_CALL.findall(text))
+
+
+def launch_params(text: str) -> set[tuple[str, int, int]]:
+    """(kernel name, num_stages, num_warps) of each Triton call whose launch parameters the text
+    shows (jaxlib <= 0.10.2; later ones fold them into a compiled kernel)."""
+    return {(name, int(stages), int(warps)) for name, stages, warps in _LAUNCH.findall(text)}
 
 
 # ---------------------------------------------------------------------------------------------
