@@ -10,7 +10,7 @@ from zaya_jax.config import preset
 from zaya_jax.errors import ZayaError
 from zaya_jax.experiment import base_config
 from zaya_jax.train.model_state import model_def
-from zaya_jax.train.muon import MatrixView, newton_schulz, orthogonal_update, scale_by_muon
+from zaya_jax.train.muon import MatrixView, MuonState, newton_schulz, orthogonal_update, scale_by_muon
 from zaya_jax.train.optim import build_optimizer, learning_rate_schedule, rule_for
 
 
@@ -52,13 +52,33 @@ def test_experts_are_orthogonalised_one_by_one():
     np.testing.assert_allclose(update[0], orthogonal_update(g[0], MatrixView(0, 1), 5, 0.2), rtol=1e-5, atol=1e-6)
 
 
-def test_muon_momentum_and_skips_masked_leaves():
+def test_muon_momentum():
     tx = scale_by_muon({"w": MatrixView()}, momentum=0.9, nesterov=False)
     params = {"w": jnp.ones((8, 8))}
     state = tx.init(params)
     g = jax.random.normal(jax.random.key(3), (8, 8))
     _, state = tx.update({"w": g}, state, params)
     np.testing.assert_allclose(state.momentum["w"], 0.1 * g, rtol=1e-6)
+
+
+def _optimizer(params, **changes):
+    optim = base_config().optim
+    optim.unlock()
+    optim.update(warmup_steps=0, lr=1.0, min_lr=1.0, **changes)
+    return build_optimizer(optim, 10, params)[0]
+
+
+def test_muon_skips_the_leaves_adamw_owns():
+    params = {"layers/0/attn/wq": jnp.ones((16, 2, 8)), "final_norm/weight": jnp.ones((16,))}
+    tx = _optimizer(params, clip_norm=0.0, weight_decay=0.0)
+    state = tx.init(params)
+    [muon] = [s for s in jax.tree_util.tree_leaves(state, is_leaf=lambda s: isinstance(s, MuonState))
+              if isinstance(s, MuonState)]
+    assert muon.momentum["layers/0/attn/wq"].shape == (16, 2, 8)
+    assert isinstance(muon.momentum["final_norm/weight"], optax.MaskedNode)  # no momentum, no Newton–Schulz
+    grads = {"layers/0/attn/wq": jnp.ones((16, 2, 8)), "final_norm/weight": jnp.full((16,), 3.0)}
+    updates, _ = tx.update(grads, state, params)
+    np.testing.assert_allclose(updates["final_norm/weight"], -1.0, rtol=1e-6)  # AdamW's first step: -lr·sign(g)
 
 
 EXPECTED = {
@@ -129,16 +149,20 @@ def test_schedule_warmup_then_cosine():
     assert abs(float(schedule(60)) - 0.55) < 1e-6  # cosine midpoint
 
 
-def test_clipping_and_weight_decay_mask():
-    optim = base_config().optim
-    optim.unlock()
-    optim.update(clip_norm=1.0, weight_decay=0.5, warmup_steps=0, lr=1.0, min_lr=1.0, b1=0.0, b2=0.0)
+def test_weight_decay_mask():
     params = {"embedding": jnp.ones((4, 4)), "final_norm/weight": jnp.ones((4,))}
-    tx, _ = build_optimizer(optim, 10, params)
+    tx = _optimizer(params, clip_norm=1.0, weight_decay=0.5, b1=0.0, b2=0.0)
     zero = jax.tree.map(jnp.zeros_like, params)
     updates, _ = tx.update(zero, tx.init(params), params)
     np.testing.assert_allclose(updates["embedding"], -0.5 * np.ones((4, 4)), rtol=1e-6)  # decayed
     np.testing.assert_allclose(updates["final_norm/weight"], 0.0)  # never decayed
-    big = jax.tree.map(lambda p: 100.0 * jnp.ones_like(p), params)
-    clipped = optax.clip_by_global_norm(1.0).update(big, optax.EmptyState())[0]
-    assert abs(float(optax.global_norm(clipped)) - 1.0) < 1e-5
+
+
+@pytest.mark.parametrize("clip_norm, expected", [(1.0, -1 / 3), (0.0, -100 / 101)])
+def test_gradients_are_clipped_to_the_global_norm_before_adamw(clip_norm, expected):
+    """With eps = 1 and b1 = b2 = 0, AdamW's step is -g/(|g| + 1): it shows the gradient's size.
+    Four gradients of 100 (global norm 200) clipped to norm 1 are 0.5 each: -0.5/1.5."""
+    params = {"final_norm/weight": jnp.ones((4,))}
+    tx = _optimizer(params, clip_norm=clip_norm, weight_decay=0.0, b1=0.0, b2=0.0, eps=1.0)
+    updates, _ = tx.update({"final_norm/weight": jnp.full((4,), 100.0)}, tx.init(params), params)
+    np.testing.assert_allclose(updates["final_norm/weight"], expected, rtol=1e-5)

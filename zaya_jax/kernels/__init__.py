@@ -1,12 +1,14 @@
 """Hot-path kernels with interchangeable backends: flash attention, grouped matmul, fused RMSNorm.
 
-`ops` holds the entry points, `registry` the backend names and platform defaults, `tuning` the
-block sizes, `reference` the plain-jnp semantics, `xla_backends` the XLA/cuDNN forms, and one
-`pallas_*` module per Pallas kernel. Pallas kernels are imported only when selected.
+`ops` holds the entry points, `registry` the backend names, the kernel target (`targeting`) and
+its defaults, `tuning` the block sizes, `resources` their shared memory against each device,
+`gpu_lowering` the Pallas → Triton check for CUDA/ROCm on any machine, `reference` the plain-jnp
+semantics, `xla_backends` the XLA/cuDNN forms, and one `pallas_*` module per Pallas kernel.
+Pallas kernels are imported only when selected.
 """
 
 from zaya_jax.kernels.ops import flash_attention, grouped_matmul, grouped_matmul_transposed, rms_norm
-from zaya_jax.kernels.registry import BACKENDS, DEFAULTS, KERNELS, resolve
+from zaya_jax.kernels.registry import BACKENDS, DEFAULTS, KERNELS, TARGETS, resolve, target, targeting
 
 __all__ = ["flash_attention", "grouped_matmul", "grouped_matmul_transposed", "rms_norm",
-           "BACKENDS", "DEFAULTS", "KERNELS", "resolve"]
+           "BACKENDS", "DEFAULTS", "KERNELS", "TARGETS", "resolve", "target", "targeting"]
