@@ -45,20 +45,32 @@ def test_model_logits_and_gradients_match_reference_kernels(backend, compute_dty
         assert_close(value.get_value(), ref_flat[path].get_value(), tol, f"{backend} gradient of {path}")
 
 
-def test_platform_defaults_and_interpret_mode_on_cpu():
-    assert registry.platform() == "cpu"
-    assert {k: kernels.resolve(k, None) for k in kernels.KERNELS} == registry.DEFAULTS["cpu"]
-    assert kernels.resolve("attention", "auto") == "xla"
-    assert registry.interpret_mode(None) is True
-    assert registry.interpret_mode(False) is False
+def test_platform_defaults_and_interpret_mode_follow_the_machine():
+    # Whatever JAX runs on (CPU in CI, a GPU under JAX_PLATFORMS=cuda or rocm): `auto` is XLA and
+    # Pallas interprets on CPU; `auto` is Pallas, compiled, on a GPU.
+    device = jax.devices()[0]
+    on_gpu = device.platform not in ("cpu", "tpu")
+    version = f"{device.client.platform_version}".lower()
+    target = ("rocm" if "rocm" in version or "hip" in version else "cuda") if on_gpu else device.platform
+    assert registry.target() == target
+    assert registry.platform() == ("gpu" if on_gpu else target)
+    assert registry.gpu_vendor() == (target if on_gpu else None)
+    expected = dict.fromkeys(kernels.KERNELS, "pallas" if on_gpu else "xla")
+    assert {k: kernels.resolve(k, None) for k in kernels.KERNELS} == expected == registry.DEFAULTS[target]
+    assert kernels.resolve("attention", "auto") == expected["attention"]
+    assert registry.interpret_mode(None) is (not on_gpu)
+    assert registry.interpret_mode(False) is False and registry.interpret_mode(True) is True
 
 
 def test_unknown_and_unavailable_backends_are_one_sentence_errors():
     with pytest.raises(ZayaError, match=r"must be one of \('auto', 'reference', 'xla', 'pallas'\)"):
         kernels.resolve("rms_norm", "cudnn")
-    with pytest.raises(ZayaError, match="needs an NVIDIA GPU .*use 'pallas' or 'xla'"):
-        kernels.flash_attention(jnp.ones((1, 4, 2, 16)), jnp.ones((1, 4, 2, 16)), jnp.ones((1, 4, 2, 16)),
-                                backend="cudnn")
+    if registry.gpu_vendor() == "cuda":
+        assert kernels.resolve("attention", "cudnn") == "cudnn"
+    else:
+        with pytest.raises(ZayaError, match="needs an NVIDIA GPU .*use 'pallas' or 'xla'"):
+            kernels.flash_attention(jnp.ones((1, 4, 2, 16)), jnp.ones((1, 4, 2, 16)), jnp.ones((1, 4, 2, 16)),
+                                    backend="cudnn")
     with pytest.raises(ZayaError, match="model.norm_kernel must be one of"):
         ModelConfig(norm_kernel="fused")
 

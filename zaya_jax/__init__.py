@@ -10,11 +10,13 @@ from zaya_jax.errors import ZayaError
 __version__ = "0.1.0"
 
 
-def load(path: str, compute_dtype: str = "float32"):
-    """Load a model: `model(input_ids, segment_ids=None, positions=None)` → fp32 logits."""
+def load(path: str, compute_dtype: str = "float32", **kernels):
+    """Load a model: `model(input_ids, segment_ids=None, positions=None)` → fp32 logits.
+
+    `kernels`: attention_kernel, moe_kernel, norm_kernel (default "auto"); see `zaya_jax.api.load`."""
     from zaya_jax.api import load as _load
 
-    return _load(path, compute_dtype=compute_dtype)
+    return _load(path, compute_dtype=compute_dtype, **kernels)
 
 
 __all__ = ["ModelConfig", "ZayaError", "load", "preset", "__version__"]

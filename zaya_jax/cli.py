@@ -56,7 +56,8 @@ config overrides (absl / ml_collections config_flags style), any number of:
   --config.KEY=VALUE      e.g. --config.train.steps=100 --config.mesh.fsdp=8
                           --config.model.compute_dtype=bfloat16 --config.data.source=corpus.jsonl
                           --config.model.attention_kernel=pallas (also moe_kernel, norm_kernel:
-                          auto | reference | xla | pallas, and cudnn for attention)
+                          auto | reference | xla | pallas; moe_kernel also cudnn on NVIDIA,
+                          hipblaslt on ROCm: XLA's ragged_dot on the vendor's grouped GEMM)
   Keys: train.* eval.* checkpoint.* model.* (HF ZayaConfig names) mesh.* data.* optim.*;
   see zaya_jax/experiment/schema.py for every key and its default.
 

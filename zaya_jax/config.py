@@ -52,7 +52,8 @@ class ModelConfig:
     # (residual stream, norm statistics, QK norm, router, LM head) and runs matmuls in bf16.
     compute_dtype: str = "float32"
     # Not in HF: which implementation runs each hot-path kernel (zaya_jax.kernels.registry):
-    # "auto" (the platform default) | "reference" | "xla" | "pallas", and "cudnn" for attention.
+    # "auto" (the platform default) | "reference" | "xla" | "pallas"; also "cudnn" for attention
+    # (inference only: no segment ids) and "cudnn" / "hipblaslt" for the experts (registry.VENDOR_BACKENDS).
     attention_kernel: str = "auto"
     moe_kernel: str = "auto"  # the experts' grouped matmul
     norm_kernel: str = "auto"  # RMSNorm

@@ -15,6 +15,7 @@ import ml_collections
 from zaya_jax.config import KERNEL_FIELDS, ModelConfig
 from zaya_jax.data.mixture import parse_mixture
 from zaya_jax.errors import ZayaError
+from zaya_jax.kernels import xla_flags
 from zaya_jax.kernels.registry import resolve as resolve_kernel
 from zaya_jax.experiment.schema import REMAT_POLICIES
 from zaya_jax.parallel.axes import MESH_AXES
@@ -121,7 +122,17 @@ def _data(c, model: ModelConfig) -> str | None:
 
 
 def _kernels(c, model: ModelConfig) -> str | None:
-    """Each kernel backend must exist on this machine (cudnn needs NVIDIA, pallas is not for TPU)."""
+    """Each kernel backend must train and exist on the target (cudnn needs NVIDIA, hipblaslt ROCm,
+    pallas is not for TPU). The names are already checked (ModelConfig); the XLA flags a backend
+    needs are set here, before `resolve` starts JAX (it asks for the devices)."""
+    if model.attention_kernel == "cudnn":
+        return ("model.attention_kernel=cudnn cannot train: training packs documents into rows and masks "
+                "attention by their segment ids, for which jax.nn.dot_product_attention's cuDNN path has no "
+                "mask; use 'pallas' (the default on GPUs) or 'xla'")
+    try:
+        xla_flags.require(model)
+    except ZayaError as e:
+        return str(e)
     for field, kernel in KERNEL_FIELDS.items():
         try:
             resolve_kernel(kernel, getattr(model, field))

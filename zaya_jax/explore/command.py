@@ -70,9 +70,10 @@ def _fake_devices(n: int) -> None:
     """Compile on n CPU devices, if JAX has not started its backends yet (else the caller's own
     XLA_FLAGS decide, and `validate` says when they are too few)."""
     import jax
-    from jax._src import xla_bridge  # no public "has JAX started?" query; absent → assume it has
 
-    if not getattr(xla_bridge, "backends_are_initialized", lambda: True)():
+    from zaya_jax.kernels.xla_flags import backends_started
+
+    if not backends_started():
         jax.config.update("jax_platforms", "cpu")
         jax.config.update("jax_num_cpu_devices", max(n, getattr(jax.config, "jax_num_cpu_devices", 1)))
 

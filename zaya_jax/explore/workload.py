@@ -49,13 +49,9 @@ class Run:
     def compute_bytes(self) -> int:
         return 2 if self.cfg.compute_dtype == "bfloat16" else 4
 
-    @property
-    def platform(self) -> str:
-        return "cpu" if self.hw.name == "cpu" else "gpu"
-
     def backend(self, kernel: str, configured: str) -> str:
-        """The kernel backend the run would use on this hardware ('auto' → the platform default)."""
-        return DEFAULTS[self.platform][kernel] if configured == "auto" else configured
+        """The kernel backend the run would use on this hardware ('auto' → its kernel target's default)."""
+        return DEFAULTS[self.hw.target][kernel] if configured == "auto" else configured
 
     @property
     def flash_attention(self) -> bool:

@@ -53,6 +53,9 @@ def grouped_matmul(lhs, rhs, group_sizes, *, preferred_element_type=None, backen
 
         return pallas_gmm.grouped_matmul(lhs, rhs, group_sizes, preferred_element_type=preferred_element_type,
                                          blocks=blocks, interpret=interpret_mode(interpret))
+    if backend in ("cudnn", "hipblaslt"):  # ragged_dot too; the backend's XLA flag picks the GEMM (registry.XLA_FLAGS)
+        out = xla_backends.vendor_grouped_matmul(lhs, rhs, group_sizes)
+        return out.astype(preferred_element_type or lhs.dtype)
     impl = reference if backend == "reference" else xla_backends
     return impl.grouped_matmul(lhs, rhs, group_sizes, preferred_element_type=preferred_element_type)
 
@@ -71,7 +74,7 @@ def grouped_matmul_transposed(lhs, dout, group_sizes, *, num_groups=None, prefer
         return pallas_gmm.grouped_matmul_transposed(
             lhs, dout, group_sizes, num_groups, preferred_element_type=preferred_element_type, blocks=blocks,
             interpret=interpret_mode(interpret))
-    impl = reference if backend == "reference" else xla_backends
+    impl = reference if backend == "reference" else xla_backends  # xla, cudnn, hipblaslt: ragged_dot_general
     return impl.grouped_matmul_transposed(lhs, dout, group_sizes, num_groups,
                                           preferred_element_type=preferred_element_type)
 

@@ -3,9 +3,12 @@ per-target defaults, and the kernel target itself.
 
 Three kernels (`attention`, `grouped_matmul`, `rms_norm`) each have a `reference` (plain jnp,
 the obviously-correct form every other backend is tested against), an `xla` form, and a
-`pallas` form (Triton lowering on CUDA and ROCm, `interpret=True` on CPU). Attention also has
-`cudnn` (NVIDIA only, through `jax.nn.dot_product_attention`). `auto` picks the target's default
-below. Nothing here imports the kernels, so the config can validate names cheaply.
+`pallas` form (Triton lowering on CUDA and ROCm, `interpret=True` on CPU). Vendor backends exist
+on one GPU target only (`VENDOR_BACKENDS`): attention's `cudnn` (through
+`jax.nn.dot_product_attention`; no segment-id mask, so inference only), and the grouped matmul's
+`cudnn` and `hipblaslt` (XLA's `ragged_dot`, routed by an XLA flag to the vendor's grouped GEMM;
+see `XLA_FLAGS`). `auto` picks the target's default below. Nothing here imports the kernels, so
+the config can validate names cheaply.
 
 **The target** is the platform the kernels are traced for: `cpu`, `cuda`, `rocm` or `tpu`. It
 decides what `auto` means, whether Pallas runs interpreted, and which row of `tuning.TABLE`
@@ -27,16 +30,48 @@ from zaya_jax.errors import ZayaError
 KERNELS = ("attention", "grouped_matmul", "rms_norm")
 BACKENDS: dict[str, tuple[str, ...]] = {
     "attention": ("reference", "xla", "pallas", "cudnn"),
-    "grouped_matmul": ("reference", "xla", "pallas"),
+    "grouped_matmul": ("reference", "xla", "pallas", "cudnn", "hipblaslt"),
     "rms_norm": ("reference", "xla", "pallas"),
 }
 TARGETS = ("cpu", "cuda", "rocm", "tpu")
 GPU_TARGETS = ("cuda", "rocm")
+_GPU_NAMES = {"cuda": "an NVIDIA GPU", "rocm": "an AMD GPU (ROCm)"}
+
+# Backends that call one vendor's library, so exist on that target only: (kernel, backend) → target.
+VENDOR_BACKENDS: dict[tuple[str, str], str] = {
+    ("attention", "cudnn"): "cuda",
+    ("grouped_matmul", "cudnn"): "cuda",
+    ("grouped_matmul", "hipblaslt"): "rocm",
+}
+
+# The XLA flag a backend needs: the one table of them (`kernels/xla_flags.py` sets them, the
+# training banner names them). The `cudnn` and `hipblaslt` grouped matmuls compute exactly what
+# `xla` does, through `jax.lax.ragged_dot`; what differs is how XLA's GPU compiler lowers that op.
+# By default it expands it to a zero-padded dense batched matmul; these flags make it emit cuDNN's
+# grouped GEMM (NVIDIA: the forward and the input gradient, per openxla/xla #40189; the weight
+# gradient stays dense) or hipBLASLt's grouped GEMM (ROCm: bf16/fp16, "not fully optimized" per
+# openxla/xla #38088). The choice is an XLA debug option, not an argument of the op: XLA reads
+# XLA_FLAGS once, when JAX starts its backend, and it then holds for the whole process (every
+# ragged_dot, including those called with backend='xla'). So the flag is the backend, and it must be
+# in the environment before JAX starts; an unknown flag aborts the process, so every flag here is
+# one this jaxlib (0.10.2) knows.
+XLA_FLAGS: dict[tuple[str, str], str] = {
+    ("grouped_matmul", "cudnn"): "--xla_gpu_experimental_use_ragged_dot_fusion=true",
+    ("grouped_matmul", "hipblaslt"): "--xla_gpu_experimental_use_ragged_dot_grouped_gemm=true",
+}
+
+# What a backend is, where its name alone does not say (the training banner).
+DESCRIPTIONS: dict[tuple[str, str], str] = {
+    ("grouped_matmul", "cudnn"): "XLA ragged_dot → cuDNN grouped GEMM",
+    ("grouped_matmul", "hipblaslt"): "XLA ragged_dot → hipBLASLt grouped GEMM",
+}
 
 # Why these defaults: on CPU, Pallas runs only through the (slow) interpreter, so XLA is the
 # fast path. On GPUs, XLA's attention materialises [S, S] logits per head and XLA's ragged_dot
 # becomes a dense padded batched matmul on NVIDIA (one expert's work per expert, repeated
-# for all), so the Pallas kernels are the only scalable choice on both vendors.
+# for all), so the Pallas kernels are the only scalable choice on both vendors. The vendor grouped
+# GEMMs (`cudnn`, `hipblaslt`) are opt-in: untimed here, process-wide XLA flags, cuDNN's covers
+# only the forward and input gradient, and XLA calls hipBLASLt's "not fully optimized".
 _PALLAS = {"attention": "pallas", "grouped_matmul": "pallas", "rms_norm": "pallas"}
 DEFAULTS: dict[str, dict[str, str]] = {
     "cpu": {"attention": "xla", "grouped_matmul": "xla", "rms_norm": "xla"},
@@ -115,10 +150,21 @@ def resolve(kernel: str, backend: str | None) -> str:
     if backend == "pallas" and here == "tpu":
         raise ZayaError(f"the pallas {kernel} kernel uses the Triton lowering (GPUs, or CPU interpret "
                         "mode); on TPU use 'xla'")
-    if backend == "cudnn" and here != "cuda":
-        raise ZayaError(f"the cudnn attention backend needs an NVIDIA GPU (the target is {here}); "
-                        "use 'pallas' or 'xla'")
+    vendor = VENDOR_BACKENDS.get((kernel, backend))
+    if vendor is not None and here != vendor:
+        instead = [b for (k, b), t in VENDOR_BACKENDS.items() if k == kernel and t == here]
+        instead += ["pallas", "xla"] if here != "tpu" else ["xla"]
+        names = [f"'{b}'" for b in instead]
+        raise ZayaError(f"the {backend} {kernel} backend needs {_GPU_NAMES[vendor]} (the target is {here}); use "
+                        + (", ".join(names[:-1]) + " or " + names[-1] if len(names) > 1 else names[0]))
     return backend
+
+
+def describe(kernel: str, backend: str) -> str:
+    """A resolved backend as the banner names it: 'pallas', or 'cudnn (XLA ragged_dot → cuDNN grouped
+    GEMM; --xla_gpu_experimental_use_ragged_dot_fusion=true)' where the name alone does not say."""
+    notes = [n for n in (DESCRIPTIONS.get((kernel, backend)), XLA_FLAGS.get((kernel, backend))) if n]
+    return f"{backend} ({'; '.join(notes)})" if notes else backend
 
 
 def interpret_mode(interpret: bool | None) -> bool:

@@ -1,9 +1,11 @@
-"""The `xla` and `cudnn` backends: the kernels expressed through XLA's own primitives.
+"""The `xla` and vendor backends: the kernels expressed through XLA's own primitives.
 
 Attention goes through `jax.nn.dot_product_attention` (`implementation='xla'`, or `'cudnn'`
-on NVIDIA); the grouped matmul through `jax.lax.ragged_dot` / `ragged_dot_general`, whose
-transposes XLA derives. RMSNorm has no separate XLA primitive: XLA fuses the reference
-expression, so the `xla` backend is that expression.
+on NVIDIA, which takes no segment ids); the grouped matmul through `jax.lax.ragged_dot` /
+`ragged_dot_general`, whose transposes XLA derives, for the `xla`, `cudnn` and `hipblaslt`
+backends alike (an XLA flag, `registry.XLA_FLAGS`, decides which GEMM XLA emits for them).
+RMSNorm has no separate XLA primitive: XLA fuses the reference expression, so the `xla` backend
+is that expression.
 """
 
 from __future__ import annotations
@@ -41,6 +43,30 @@ def grouped_matmul(lhs, rhs, group_sizes, *, preferred_element_type=None):
     out_dtype = preferred_element_type or lhs.dtype
     out = jax.lax.ragged_dot(lhs, rhs, group_sizes, preferred_element_type=jnp.float32)
     return _zero_past_groups(out, group_sizes).astype(out_dtype)
+
+
+@jax.custom_vjp
+def vendor_grouped_matmul(lhs, rhs, group_sizes):
+    """`grouped_matmul` into fp32 for the `cudnn` / `hipblaslt` backends, whose backward GEMMs take
+    the operands' dtype: the fp32 cotangent is cast to it first (as the Pallas backward does), since
+    hipBLASLt's grouped GEMM takes only bf16/fp16 and a wider input would drop XLA back to the
+    padded dense form for the whole backward."""
+    return grouped_matmul(lhs, rhs, group_sizes, preferred_element_type=jnp.float32)
+
+
+def _vendor_fwd(lhs, rhs, group_sizes):
+    return vendor_grouped_matmul(lhs, rhs, group_sizes), (lhs, rhs, group_sizes)
+
+
+def _vendor_bwd(residuals, dout):
+    lhs, rhs, group_sizes = residuals
+    dout = dout.astype(lhs.dtype)
+    dlhs = grouped_matmul(dout, jnp.swapaxes(rhs, 1, 2), group_sizes, preferred_element_type=lhs.dtype)
+    drhs = grouped_matmul_transposed(lhs, dout, group_sizes, rhs.shape[0], preferred_element_type=rhs.dtype)
+    return dlhs, drhs, None
+
+
+vendor_grouped_matmul.defvjp(_vendor_fwd, _vendor_bwd)
 
 
 def grouped_matmul_transposed(lhs, dout, group_sizes, num_groups: int, *, preferred_element_type=None):

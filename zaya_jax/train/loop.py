@@ -23,7 +23,8 @@ from zaya_jax.data.pipeline import DataPipeline, DataSettings
 from zaya_jax.data.tokenizer import load_tokenizer
 from zaya_jax.errors import ZayaError
 from zaya_jax.experiment import Experiment
-from zaya_jax.kernels import resolve as resolve_kernel
+from zaya_jax.kernels import resolve as resolve_kernel, xla_flags
+from zaya_jax.kernels.registry import describe as describe_kernel
 from zaya_jax.parallel.mesh import BATCH_AXES
 from zaya_jax.train import flops as flops_lib
 from zaya_jax.train.metrics_writer import MetricsWriter
@@ -101,6 +102,7 @@ def save_model(program: Program, state, path: str) -> None:
 def train(exp: Experiment, workdir: str, devices=None, out=sys.stdout) -> dict:
     """Run (or resume) the experiment; returns a summary (losses, throughput, wall time, stop reason)."""
     started = time.perf_counter()
+    xla_flags.require(exp.model)  # set by validation already; a no-op then (or too late: one sentence)
     workdir = prepare_workdir(workdir)
     c = exp.config
     program = build_program(exp, devices)  # layout errors first: they are cheap to find
@@ -214,9 +216,12 @@ def _banner(out, exp: Experiment, program: Program, data: DataPipeline, workdir:
     print(f"zaya train: {exp.source} → {workdir}", file=out)
     print(f"  model   {m.num_hidden_layers} layers, hidden {m.hidden_size}, {m.num_experts} experts, "
           f"vocab {m.vocab_size}; {active / 1e6:.2f}M active matmul params/token; compute {m.compute_dtype}", file=out)
-    print(f"  kernels attention {resolve_kernel('attention', m.attention_kernel)}, experts "
-          f"{resolve_kernel('grouped_matmul', m.moe_kernel)}, norm {resolve_kernel('rms_norm', m.norm_kernel)}",
-          file=out)
+
+    def kernel(name: str, backend: str) -> str:  # vendor GEMMs say which library and which XLA flag
+        return describe_kernel(name, resolve_kernel(name, backend))
+
+    print(f"  kernels attention {kernel('attention', m.attention_kernel)}, experts "
+          f"{kernel('grouped_matmul', m.moe_kernel)}, norm {kernel('rms_norm', m.norm_kernel)}", file=out)
     print(f"  mesh    {program.mesh.size} {program.mesh.devices.flat[0].platform} device(s): {axes}", file=out)
     print(f"  data    {data.describe()}; rows of {c.train.seq_len} tokens", file=out)
     print(f"  steps   {c.train.steps} x {c.train.global_batch_size} sequences "
