@@ -1,8 +1,10 @@
 """The public kernel entry points: check the arguments, pick the backend, call it.
 
-Each op takes `backend=None` (the platform default from `registry.DEFAULTS`, same as 'auto'),
-`interpret=None` (Pallas interpret mode exactly when there is no GPU) and `blocks=None` (the
-platform's row of `tuning.TABLE`). Non-Pallas backends ignore `interpret` and `blocks`.
+Each op takes `backend=None` (the kernel target's default from `registry.DEFAULTS`, same as
+'auto'), `interpret=None` (Pallas interpret mode exactly when the target is not a GPU) and
+`blocks=None` (the target's row of `tuning.TABLE` for the operand dtype). Non-Pallas backends
+ignore `interpret` and `blocks`. The target is this machine's unless the caller traces under
+`registry.targeting(...)`.
 """
 
 from __future__ import annotations
