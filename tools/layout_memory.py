@@ -11,9 +11,9 @@ at 128K on 8 MI300X, 38.8 GB per GPU with TSP against 70.0 GB with TP.
     python tools/layout_memory.py --seq-len 8192 --out benchmarks/layout_memory_8k    # the README's table
     python tools/layout_memory.py --seq-len 16384 --layouts tp,tsp --out /tmp/mem
 
-fp32, because XLA's CPU compiler aborts on the bf16 step with these schedules (see
-`parallel/mesh.py`); relative sizes are what the study compares. Megatron TP here shards heads and
-expert widths only (the embedding, norms and router stay whole on each device, as in our rules).
+fp32, as the README's table was measured; relative sizes are what the study compares. Megatron
+TP here shards heads and expert widths only (the embedding, norms and router stay whole on each
+device, as in our rules).
 Attention here is the `xla` backend, which materialises each device's [heads, queries, keys]
 logits (on CPU the Pallas kernel runs in interpret mode, whose buffers say nothing about a GPU):
 those temporaries are part of what is compared.

@@ -16,6 +16,7 @@ from jax.sharding import PartitionSpec as P
 
 from zaya_jax.kernels import resolve
 from zaya_jax.parallel.axes import BATCH_AXES, SEQUENCE_AXES
+from zaya_jax.parallel.rules import entry_axes, spec_axes
 
 
 def run_kernel(kernel: str, backend: str, fn, batched: tuple, replicated: tuple = ()):
@@ -33,6 +34,32 @@ def run_kernel(kernel: str, backend: str, fn, batched: tuple, replicated: tuple 
     mapped = jax.shard_map(fn, in_specs=(spec,) * len(batched) + (P(),) * len(replicated), out_specs=spec,
                            axis_names=set(axes), check_vma=False)
     return mapped(*batched, *replicated)
+
+
+def layout_map(fn, in_specs, out_specs, check_vma: bool):
+    """`jax.shard_map` of a layout schedule, manual over every axis of the ambient mesh.
+
+    Manual over the split axes only, the size-1 axes would stay automatic, and then JAX gives
+    the reducer of every psum a sharding annotation that XLA's CPU compiler turns into a `copy`
+    and aborts on when it widens a bf16 all-reduce ("Invalid binary instruction opcode copy";
+    jax 0.10). The size-1 axes are also named in every spec (on its first dimension: no data
+    moves) so that, without vma checks, the backward does not sum cotangents over them (an
+    all-reduce over one device). Every operand must have a dimension.
+    """
+    mesh = jax.sharding.get_abstract_mesh()
+    idle = tuple(a for a in mesh.axis_names if mesh.shape[a] == 1)
+    name = lambda tree: jax.tree.map(lambda spec: _naming(spec, idle), tree, is_leaf=lambda x: isinstance(x, P))
+    return jax.shard_map(fn, in_specs=name(in_specs), out_specs=name(out_specs),
+                         axis_names=set(mesh.axis_names), check_vma=check_vma)
+
+
+def _naming(spec: P, idle: tuple[str, ...]) -> P:
+    extra = tuple(a for a in idle if a not in spec_axes(spec))
+    if not extra:
+        return spec
+    entries = list(spec) or [None]
+    entries[0] = entry_axes(entries[0]) + extra
+    return P(*entries)
 
 
 def axes_in_context(names=None) -> tuple[str, ...]:

@@ -29,7 +29,7 @@ from jax.sharding import PartitionSpec as P
 
 from zaya_jax.model import moe as moe_math  # module reference: moe imports this module too
 from zaya_jax.parallel.axes import MODEL_AXES
-from zaya_jax.parallel.batch_map import axes_in_context, axis_size, row_spec
+from zaya_jax.parallel.batch_map import axes_in_context, axis_size, layout_map, row_spec
 from zaya_jax.parallel.rules import keep_axes, partition_spec
 from zaya_jax.parallel.tsp_experts import ring_experts
 
@@ -48,9 +48,9 @@ def experts(x, expert, weight, gate, up, down, *, backend: str):
     specs = tuple(keep_axes(partition_spec(WEIGHT_AXES[n], mesh, w.shape), MODEL_AXES)
                   for n, w in (("gate", gate), ("up", up), ("down", down)))
     rows = row_spec()
-    mapped = jax.shard_map(functools.partial(_local_experts, backend=backend),
-                           in_specs=(P(*rows, None), rows, rows) + specs, out_specs=P(*rows, None),
-                           axis_names=set(axes_in_context()), check_vma=False)  # Pallas outputs carry no vma
+    mapped = layout_map(functools.partial(_local_experts, backend=backend),
+                        in_specs=(P(*rows, None), rows, rows) + specs, out_specs=P(*rows, None),
+                        check_vma=False)  # Pallas outputs carry no vma
     return mapped(x, expert, weight, gate, up, down)
 
 

@@ -43,10 +43,9 @@ def _describe(sizes: dict[str, int]) -> str:
     return "(" + (", ".join(used) or "all axes 1") + ")"
 
 
-def check_layout(sizes: dict[str, int], model: ModelConfig, micro_batch: int, seq_len: int,
-                 platform: str = "gpu") -> None:
+def check_layout(sizes: dict[str, int], model: ModelConfig, micro_batch: int, seq_len: int) -> None:
     """Everything a layout needs of the model, batch and sequence, said in words (first failure)."""
-    message = _first_problem(sizes, model, micro_batch, seq_len) or _compiler_limits(sizes, model, platform)
+    message = _first_problem(sizes, model, micro_batch, seq_len)
     if message:
         raise ZayaError(f"mesh {_describe(sizes)}: {message}")
 
@@ -88,16 +87,6 @@ def _first_problem(sizes, model: ModelConfig, micro_batch: int, seq_len: int) ->
     return next((message for ok, message in checks if not ok), None)
 
 
-def _compiler_limits(sizes, model: ModelConfig, platform: str) -> str | None:
-    # XLA's CPU compiler (jax 0.10) aborts the process ("Invalid binary instruction opcode copy")
-    # on the bf16 train step once the expert/TSP/tensor/sequence schedules are in it; fp32 compiles.
-    scheduled = [a for a in ("expert", "tsp", "tensor", "sequence") if sizes[a] > 1]
-    if platform == "cpu" and scheduled and model.compute_dtype == "bfloat16":
-        return (f"model.compute_dtype=bfloat16 with mesh.{scheduled[0]} > 1 crashes XLA's CPU compiler; "
-                "use model.compute_dtype=float32 on CPU (GPUs take bfloat16)")
-    return None
-
-
 def build_mesh(sizes: dict[str, int], devices=None) -> Mesh:
     """Devices laid out in `PLACEMENT` order (a node's devices share the inner axes), then the
     grid transposed to `MESH_AXES` order, which the shardings name."""
@@ -110,5 +99,5 @@ def build_mesh(sizes: dict[str, int], devices=None) -> Mesh:
 def mesh_for(requested: dict[str, int], model: ModelConfig, micro_batch: int, seq_len: int, devices=None) -> Mesh:
     devices = list(devices if devices is not None else jax.devices())
     sizes = resolve_axis_sizes(requested, len(devices))
-    check_layout(sizes, model, micro_batch, seq_len, devices[0].platform)
+    check_layout(sizes, model, micro_batch, seq_len)
     return build_mesh(sizes, devices)
