@@ -11,7 +11,7 @@ from zaya_jax.errors import ZayaError
 from zaya_jax.experiment import base_config
 from zaya_jax.train.model_state import model_def
 from zaya_jax.train.muon import MatrixView, MuonState, newton_schulz, orthogonal_update, scale_by_muon
-from zaya_jax.train.optim import build_optimizer, learning_rate_schedule, rule_for
+from zaya_jax.train.optim import build_optimizer, learning_rate_schedule, rule_for, warmup_steps
 
 
 @pytest.mark.parametrize("shape", [(64, 64), (32, 96), (96, 32), (4, 24, 40)])
@@ -166,3 +166,13 @@ def test_gradients_are_clipped_to_the_global_norm_before_adamw(clip_norm, expect
     tx = _optimizer(params, clip_norm=clip_norm, weight_decay=0.0, b1=0.0, b2=0.0, eps=1.0)
     updates, _ = tx.update({"final_norm/weight": jnp.full((4,), 100.0)}, tx.init(params), params)
     np.testing.assert_allclose(updates["final_norm/weight"], expected, rtol=1e-5)
+
+
+@pytest.mark.parametrize("steps, warmup, used", [(3, 30, 0), (100, 300, 10), (100, 30, 30), (31, 30, 30)])
+def test_a_warmup_longer_than_the_run_is_shortened_to_a_tenth_of_it(steps, warmup, used):
+    optim = base_config().optim
+    optim.unlock()
+    optim.update(lr=1.0, min_lr=0.0, warmup_steps=warmup, decay_steps=0)
+    assert warmup_steps(optim, steps) == used
+    schedule = learning_rate_schedule(optim, total_steps=steps)
+    assert abs(float(schedule(used)) - 1.0) < 1e-6  # the peak is reached where the warmup ends

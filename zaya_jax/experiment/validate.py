@@ -88,13 +88,10 @@ def _checkpoint(c, model) -> str | None:
 
 def _optim(c, model) -> str | None:
     o = c.optim
-    decay = o.decay_steps or c.train.steps
     checks = [
         (o.lr > 0, f"optim.lr must be positive, got {o.lr}"),
         (0 <= o.min_lr <= o.lr, f"optim.min_lr ({o.min_lr}) must be between 0 and optim.lr ({o.lr})"),
         (o.warmup_steps >= 0 and o.decay_steps >= 0, "optim.warmup_steps and optim.decay_steps must be >= 0"),
-        (o.warmup_steps < decay, f"optim.warmup_steps ({o.warmup_steps}) must be shorter than the schedule "
-                                  f"({decay} steps = optim.decay_steps or train.steps); lower optim.warmup_steps"),
         (o.weight_decay >= 0 and o.clip_norm >= 0, "optim.weight_decay and optim.clip_norm must be >= 0"),
         (all(0 <= b < 1 for b in (o.b1, o.b2, o.balance_b1, o.balance_b2, o.muon_momentum)),
          "optim.b1, b2, balance_b1, balance_b2 and muon_momentum must be in [0, 1)"),

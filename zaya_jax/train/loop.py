@@ -27,6 +27,7 @@ from zaya_jax.kernels import resolve as resolve_kernel, xla_flags
 from zaya_jax.kernels.registry import describe as describe_kernel
 from zaya_jax.parallel.mesh import BATCH_AXES
 from zaya_jax.train import flops as flops_lib
+from zaya_jax.train import optim as optim_lib
 from zaya_jax.train.metrics_writer import MetricsWriter
 from zaya_jax.train.program import Program, build_program
 from zaya_jax.train.checkpoints import RunCheckpoints, check_compatible, run_meta
@@ -227,7 +228,13 @@ def _banner(out, exp: Experiment, program: Program, data: DataPipeline, workdir:
     print(f"  steps   {c.train.steps} x {c.train.global_batch_size} sequences "
           f"({c.train.grad_accum_steps} micro-batch(es)); MFU against "
           f"{hardware.name + ' ' + str(hardware.peak_bf16_tflops) + ' TFLOP/s' if hardware else 'an unknown device'}",
-          file=out, flush=True)
+          file=out)
+    warmup = optim_lib.warmup_steps(c.optim, c.train.steps)
+    if warmup != c.optim.warmup_steps:
+        print(f"  warmup  optim.warmup_steps ({c.optim.warmup_steps}) does not fit the "
+              f"{optim_lib.schedule_steps(c.optim, c.train.steps)}-step schedule: warming up over {warmup} "
+              "step(s), a tenth of it", file=out)
+    out.flush()
 
 
 def _report(out, summary: dict, workdir: str) -> None:

@@ -6,7 +6,9 @@ a batch of matrices. Following the ZAYA1 recipe: Muon on the attention projectio
 linears and expert matrices (per expert); AdamW on the embedding (= tied LM head), convs,
 norms, residual scales/biases, EDA scales, temperatures and biases. Weight decay applies to
 weight matrices, conv kernels and the embedding, never to norms, scales, biases or temperatures.
-Schedule: linear warmup from 0, then cosine to `optim.min_lr`; global-norm clipping first.
+Schedule: linear warmup from 0, then cosine to `optim.min_lr`; global-norm clipping first. A
+warmup that does not fit in the schedule (a smoke run of a few steps under a recipe's warmup)
+is shortened to a tenth of the schedule (`warmup_steps`; the training banner says so).
 """
 
 from __future__ import annotations
@@ -63,10 +65,21 @@ def rule_for(path: str) -> Rule:
     raise ZayaError(f"parameter {path} has no optimizer rule; add it to zaya_jax.train.optim.PARTITION")
 
 
+def schedule_steps(optim, total_steps: int) -> int:
+    """Length of warmup + cosine: `optim.decay_steps`, or the run's steps."""
+    return optim.decay_steps or total_steps
+
+
+def warmup_steps(optim, total_steps: int) -> int:
+    """The warmup the schedule uses: `optim.warmup_steps`, or a tenth of the schedule when it is not shorter."""
+    length = schedule_steps(optim, total_steps)
+    return optim.warmup_steps if optim.warmup_steps < length else length // 10
+
+
 def learning_rate_schedule(optim, total_steps: int) -> optax.Schedule:
     return optax.warmup_cosine_decay_schedule(
-        init_value=0.0, peak_value=optim.lr, warmup_steps=optim.warmup_steps,
-        decay_steps=optim.decay_steps or total_steps, end_value=optim.min_lr)
+        init_value=0.0, peak_value=optim.lr, warmup_steps=warmup_steps(optim, total_steps),
+        decay_steps=schedule_steps(optim, total_steps), end_value=optim.min_lr)
 
 
 def build_optimizer(optim, total_steps: int, param_paths) -> tuple[optax.GradientTransformation, optax.Schedule]:
