@@ -3,7 +3,8 @@
 Nothing is allocated: the train state and batch are `jax.ShapeDtypeStruct`s with the shardings
 of the run's mesh, so a full-size ZAYA1 step compiles on a laptop for a fake 8-device host (a
 "per-device slice" of a bigger cluster: same per-device shapes as one node of the real run).
-Prints XLA's per-device argument / output / temporary bytes and writes them as JSON.
+Prints the trace, lower and XLA-compile seconds and XLA's per-device argument / output /
+temporary bytes, and writes them as JSON.
 
     python tools/compile_step.py --config=experiments/zaya1_base_phase1.py --devices=8 \\
         --config.train.global_batch_size=32 --out=benchmarks/compile_zaya1_base_phase1.json
@@ -60,7 +61,7 @@ def compile_report(program) -> dict:
         "mesh": {k: int(v) for k, v in program.mesh.shape.items()},
         "global_batch_size": c.train.global_batch_size, "seq_len": c.train.seq_len,
         "grad_accum_steps": c.train.grad_accum_steps, "remat": c.train.remat,
-        "compute_dtype": c.model.compute_dtype, "compile_sec": mem["compile_s"],
+        "compute_dtype": c.model.compute_dtype, "compile_sec": mem["compile_s"], "phases_sec": mem["phases"],
         "per_device_bytes": {
             "arguments": mem["argument_bytes"], "outputs": mem["output_bytes"], "aliased": mem["alias_bytes"],
             "temporaries": mem["temp_bytes"],
@@ -71,7 +72,8 @@ def compile_report(program) -> dict:
 
 def format_report(report: dict) -> str:
     gib = 1024 ** 3
-    rows = [f"compiled {report['config']} in {report['compile_sec']}s for mesh "
+    phases = ", ".join(f"{name[:-2]} {seconds}s" for name, seconds in report.get("phases_sec", {}).items())
+    rows = [f"compiled {report['config']} in {report['compile_sec']}s ({phases}) for mesh "
             f"{', '.join(f'{k}={v}' for k, v in report['mesh'].items() if v > 1) or 'one device'}",
             "per-device memory (XLA memory_analysis):"]
     rows += [f"  {name:<12} {value / gib:8.2f} GiB" for name, value in report["per_device_bytes"].items()]

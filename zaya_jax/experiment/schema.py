@@ -37,6 +37,7 @@ def _train() -> dict:
         loss_vocab_chunk=16384,  # vocabulary chunk of the cross-entropy; [tokens, chunk] logits at a time
         hardware="auto",  # peak-FLOPs profile for MFU: auto | mi300x | mi325x | mi355x | h100 | h200 | cpu
         progress=True,  # console progress bar
+        compile_cache="workdir",  # persistent XLA compilation cache: workdir (WORKDIR/compile_cache) | off | a directory
     )
 
 

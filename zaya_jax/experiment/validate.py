@@ -67,6 +67,8 @@ def _train(c, model: ModelConfig) -> str | None:
         None if t.seq_len <= model.max_position_embeddings else
         f"train.seq_len ({t.seq_len}) exceeds model.max_position_embeddings ({model.max_position_embeddings})",
         _hardware(t.hardware),
+        None if t.compile_cache.strip() else
+        "train.compile_cache must be 'workdir', 'off' or a directory, got an empty string",
     )
 
 

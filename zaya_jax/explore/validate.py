@@ -15,12 +15,13 @@ from zaya_jax.errors import ZayaError
 
 
 def memory_report(program) -> dict:
-    """Compile the program's train step; its per-device memory analysis and compile time."""
-    compiled, seconds = program.compile_train_step()
+    """Compile the program's train step; its per-device memory analysis and compile time (in all, and
+    per phase: trace, lower, XLA compile)."""
+    compiled, phases = program.compile_train_step_phases()
     mem = compiled.memory_analysis()
     return {"argument_bytes": int(mem.argument_size_in_bytes), "output_bytes": int(mem.output_size_in_bytes),
             "alias_bytes": int(mem.alias_size_in_bytes), "temp_bytes": int(mem.temp_size_in_bytes),
-            "compile_s": round(seconds, 1)}
+            "compile_s": round(sum(phases.values()), 1), "phases": phases}
 
 
 def compile_layout(config_path: str, overrides: list[str], layout: dict[str, int], devices) -> dict:

@@ -26,6 +26,7 @@ from zaya_jax.experiment import Experiment
 from zaya_jax.kernels import resolve as resolve_kernel, xla_flags
 from zaya_jax.kernels.registry import describe as describe_kernel
 from zaya_jax.parallel.mesh import BATCH_AXES
+from zaya_jax.train import compile_cache
 from zaya_jax.train import flops as flops_lib
 from zaya_jax.train import optim as optim_lib
 from zaya_jax.train.metrics_writer import MetricsWriter
@@ -106,6 +107,7 @@ def train(exp: Experiment, workdir: str, devices=None, out=sys.stdout) -> dict:
     xla_flags.require(exp.model)  # set by validation already; a no-op then (or too late: one sentence)
     workdir = prepare_workdir(workdir)
     c = exp.config
+    compile_cache.use(c.train.compile_cache, workdir)  # before anything compiles
     program = build_program(exp, devices)  # layout errors first: they are cheap to find
     eval_batch_size = _eval_batch_size(program)
     data = build_data(exp)
@@ -131,9 +133,14 @@ def _run(exp, program, data, iterator, checkpoints, workdir, eval_batch_size, st
               file=out, flush=True)
         return _finish(program, state, summary, started, workdir, out, timer=None)
     first_batch = next(iterator)  # a bad document near the start fails now, not after the compile
-    compiled, summary["compile_sec"] = program.compile_train_step()
+    with compile_cache.Hits() as hits:
+        compiled, summary["compile_sec"] = program.compile_train_step()
+    summary["compile_cache_hit"] = hits.count > 0
     eval_step = program.jitted_eval_step()
-    print(f"compiled the train step in {summary['compile_sec']:.1f}s", file=out, flush=True)
+    where = compile_cache.directory(c.train.compile_cache, workdir)
+    source = f"loaded the train step from the compilation cache {where}" if hits.count else \
+        f"compiled the train step{'' if where is None else ' (cached in ' + where + ')'}"
+    print(f"{source} in {summary['compile_sec']:.1f}s", file=out, flush=True)
     eval_batches = list(data.eval_batches(eval_batch_size, c.eval.batches)) if c.eval.batches else []
 
     timer = StepTimer(c.train.global_batch_size * c.train.seq_len, flops.total, program.mesh.size, hardware,

@@ -136,12 +136,27 @@ class Program:
 
     def compile_train_step(self):
         """AOT-compile the train step from abstract shapes; returns (compiled, seconds)."""
+        compiled, phases = self.compile_train_step_phases()
+        return compiled, sum(phases.values())
+
+    def compile_train_step_phases(self):
+        """AOT-compile the train step; returns (compiled, {"trace_s", "lower_s", "compile_s"}).
+
+        Trace is Python (the model and schedules traced into a jaxpr), lower is the jaxpr to
+        StableHLO (where Pallas kernels become Triton), compile is XLA (or the persistent
+        compilation cache, which serves this phase only)."""
         if not self.runs_here():
             raise ZayaError(f"this program's kernels target {self.target} but its devices are "
                             f"{device_target(self.mesh.devices.flat[0])}: it can be lowered, not compiled")
-        start = time.perf_counter()
-        compiled = self.jitted_train_step().lower(self.placed_abstract_state(), self.abstract_batch()).compile()
-        return compiled, time.perf_counter() - start
+        clock = [time.perf_counter()]
+        traced = self.jitted_train_step().trace(self.placed_abstract_state(), self.abstract_batch())
+        clock.append(time.perf_counter())
+        lowered = traced.lower()
+        clock.append(time.perf_counter())
+        compiled = lowered.compile()
+        clock.append(time.perf_counter())
+        spans = [round(b - a, 2) for a, b in zip(clock, clock[1:])]
+        return compiled, dict(zip(("trace_s", "lower_s", "compile_s"), spans))
 
     def jitted_eval_step(self):
         step = self._under_mesh(make_eval_step(self.modeldef, self.step_cfg))

@@ -1,0 +1,58 @@
+"""The run's persistent XLA compilation cache: where it lives, and whether a compile came from it.
+
+`train.compile_cache` is `workdir` (the default: `WORKDIR/compile_cache`, so a restarted or
+resumed run loads its compiled step instead of compiling it again), `off`, or a directory that
+several runs share. JAX decides at a process's first compile whether it uses a cache, so `use`
+resets JAX's cache state and points it at the run's directory before the run compiles anything.
+`Hits` counts the compiles served from the cache (JAX's `/jax/compilation_cache/cache_hits` event).
+"""
+
+from __future__ import annotations
+
+import os
+
+import jax
+from jax.experimental.compilation_cache import compilation_cache
+
+from zaya_jax.errors import ZayaError
+
+HIT_EVENT = "/jax/compilation_cache/cache_hits"
+
+
+def directory(setting: str, workdir: str) -> str | None:
+    """The cache directory `train.compile_cache` names for this run (None: off)."""
+    if setting == "off":
+        return None
+    return os.path.join(workdir, "compile_cache") if setting == "workdir" else os.path.abspath(setting)
+
+
+def use(setting: str, workdir: str) -> str | None:
+    """Point JAX's persistent compilation cache at the run's directory (created here); return it."""
+    path = directory(setting, workdir)
+    if path is not None:
+        try:
+            os.makedirs(path, exist_ok=True)
+        except OSError as e:
+            raise ZayaError(f"train.compile_cache: cannot create {path} ({e.strerror}); "
+                            "name a writable directory, or use 'workdir' or 'off'") from None
+    compilation_cache.reset_cache()  # an earlier compile in this process fixed JAX's choice
+    jax.config.update("jax_compilation_cache_dir", path)
+    return path
+
+
+class Hits:
+    """Context manager counting the compiles inside it that the persistent cache served."""
+
+    def __init__(self):
+        self.count = 0
+
+    def _listen(self, event: str, **kwargs) -> None:
+        if event == HIT_EVENT:
+            self.count += 1
+
+    def __enter__(self) -> "Hits":
+        jax.monitoring.register_event_listener(self._listen)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        jax.monitoring.unregister_event_listener(self._listen)
