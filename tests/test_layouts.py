@@ -14,7 +14,9 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from zaya_jax.config import preset
+from zaya_jax.model.layout import LOCAL
 from zaya_jax.parallel.mesh import build_mesh
+from zaya_jax.parallel.mesh_layout import MESH
 from zaya_jax.parallel.axes import MESH_AXES
 from zaya_jax.parallel.rules import named_sharding
 from zaya_jax.train.model_state import init_arrays, model_def
@@ -31,9 +33,9 @@ def _inputs(seed=0):
     return ids, segments, probe
 
 
-def _forward(cfg, params, biases, ids, segments, probe):
+def _forward(cfg, layout, params, biases, ids, segments, probe):
     model = model_def(cfg).merge(params, biases)
-    logits = model(ids, segments)
+    logits = model.logits(model.hidden_states(ids, segments, layout=layout)[0])
     return jnp.sum(logits * probe), logits
 
 
@@ -43,7 +45,7 @@ def _value_and_grad(cfg, mesh=None):
     biases = {k: jnp.asarray(np.random.default_rng(1).normal(size=v.shape) * 0.05, jnp.float32)
               for k, v in biases.items()}
     ids, segments, probe = _inputs()
-    fn = jax.value_and_grad(functools.partial(_forward, cfg), has_aux=True)
+    fn = jax.value_and_grad(functools.partial(_forward, cfg, LOCAL if mesh is None else MESH), has_aux=True)
     if mesh is None:
         (_, logits), grads = jax.jit(fn)(params, biases, ids, segments, probe)
         return logits, grads

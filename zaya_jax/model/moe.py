@@ -3,8 +3,8 @@
 Tokens are sorted by their chosen expert, run through `zaya_jax.kernels.grouped_matmul` (the
 `model.moe_kernel` backend), then unsorted: each expert computes only its own tokens. Skip-class
 tokens sort to the end, past every group, where the grouped matmul outputs zero. On a mesh with
-expert, TSP or tensor parallelism (or Pallas kernels on any mesh) the same math runs per device
-in the schedule of `parallel/experts_layout.py`.
+expert, TSP or tensor parallelism the `Layout` the program hands the model runs the same math
+per device in the schedule of `parallel/experts_layout.py`.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from zaya_jax import kernels
 from zaya_jax.config import ModelConfig
 from zaya_jax.model.params import make_param, normal
 from zaya_jax.model.router import Router, Routing
-from zaya_jax.parallel import experts_layout  # a module reference: the layout calls back into this one
+from zaya_jax.model.layout import LOCAL, Layout
 
 
 class Experts(nnx.Module):
@@ -29,12 +29,13 @@ class Experts(nnx.Module):
         self.down = make_param(rngs, init, (e, i, h), ("experts", "mlp", "embed"))
         self.kernel = cfg.moe_kernel
 
-    def __call__(self, x: jax.Array, routing: Routing) -> jax.Array:
+    def __call__(self, x: jax.Array, routing: Routing, layout: Layout = LOCAL) -> jax.Array:
         """x: [B, S, H]; returns weight · down(silu(gate x) ⊙ up x) per token, [B, S, H] in x's dtype."""
         dt = x.dtype
         gate, up, down = (w[...].astype(dt) for w in (self.gate, self.up, self.down))
-        if experts_layout.active(self.kernel):
-            return experts_layout.experts(x, routing.expert, routing.weight, gate, up, down, backend=self.kernel)
+        out = layout.experts(x, routing, gate, up, down, self.kernel)
+        if out is not None:
+            return out
         batch, length, hidden = x.shape
         out = by_expert(x.reshape(-1, hidden), routing.expert.reshape(-1), routing.weight.reshape(-1),
                         gate.shape[0], lambda xs, sizes: grouped_swiglu(xs, sizes, gate, up, down, self.kernel))
@@ -66,7 +67,8 @@ class MoE(nnx.Module):
         self.router = Router(cfg, layer, rngs=rngs)
         self.experts = Experts(cfg, rngs=rngs)
 
-    def __call__(self, x: jax.Array, prev_state: jax.Array | None) -> tuple[jax.Array, jax.Array, Routing]:
+    def __call__(self, x: jax.Array, prev_state: jax.Array | None,
+                 layout: Layout = LOCAL) -> tuple[jax.Array, jax.Array, Routing]:
         """x: [B, S, H]; returns (output [B, S, H], router state [B, S, R] for EDA, routing [B, S])."""
-        routing, state = self.router(x, prev_state)
-        return self.experts(x, routing), state, routing
+        routing, state = self.router(x, prev_state, layout)
+        return self.experts(x, routing, layout), state, routing

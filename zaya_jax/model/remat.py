@@ -17,13 +17,13 @@ REMAT_POLICIES = {
 }
 
 
-def block_runner(policy: str, dtype):
-    """`run(block, h, router_state, seq)` under the named policy."""
+def block_runner(policy: str, dtype, layout):
+    """`run(block, h, router_state, seq)` under the named policy, laid out by `layout`."""
     if policy not in REMAT_POLICIES:
         raise ValueError(f"unknown remat policy {policy!r}; choose one of {sorted(REMAT_POLICIES)}")
 
     def run(block, h, router_state, seq):
-        return block(h, router_state, seq, dtype)
+        return block(h, router_state, seq, dtype, layout)
 
     if REMAT_POLICIES[policy] is None:
         return run

@@ -14,6 +14,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from zaya_jax.config import ModelConfig
+from zaya_jax.model.layout import LOCAL, Layout
 from zaya_jax.model.norms import RMSNorm
 from zaya_jax.model.params import BalancingBias, constant, make_param, normal
 
@@ -49,13 +50,14 @@ class Router(nnx.Module):
         self.out = make_param(rngs, init, (r, classes), ("router", "router_classes"))
         self.balancing_biases = BalancingBias(initial_balancing_biases(cfg.num_experts))
 
-    def __call__(self, x: jax.Array, prev_state: jax.Array | None) -> tuple[Routing, jax.Array]:
+    def __call__(self, x: jax.Array, prev_state: jax.Array | None,
+                 layout: Layout = LOCAL) -> tuple[Routing, jax.Array]:
         """x: [..., H] normed tokens ([B, S, H] in the model); prev_state: the previous layer's
         post-EDA router state [..., R]."""
         state = x.astype(jnp.float32) @ self.down[...] + self.down_bias[...]
         if self.eda_scale is not None and prev_state is not None:
             state = state + prev_state * self.eda_scale[...]
-        hidden = self.norm(state)
+        hidden = self.norm(state, layout=layout)
         hidden = jax.nn.gelu(hidden @ self.fc1[...] + self.fc1_bias[...], approximate=False)
         hidden = jax.nn.gelu(hidden @ self.fc2[...] + self.fc2_bias[...], approximate=False)
         probs = jax.nn.softmax(hidden @ self.out[...], axis=-1)

@@ -14,6 +14,7 @@ from flax import nnx
 
 from zaya_jax.config import ModelConfig
 from zaya_jax.model.cca import CCAttention, largest_shift
+from zaya_jax.model.layout import LOCAL, Layout
 from zaya_jax.model.moe import MoE
 from zaya_jax.model.norms import Affine, RMSNorm, ResidualMerge
 from zaya_jax.model.params import make_param, normal
@@ -30,10 +31,10 @@ class Block(nnx.Module):
         self.moe = MoE(cfg, layer, rngs=rngs)
         self.mlp_merge = ResidualMerge(cfg.hidden_size, rngs=rngs)
 
-    def __call__(self, h: jax.Array, router_state, seq: SequenceInfo, dtype):
-        a = self.attn(self.attn_norm(h, dtype), seq)
+    def __call__(self, h: jax.Array, router_state, seq: SequenceInfo, dtype, layout: Layout = LOCAL):
+        a = self.attn(self.attn_norm(h, dtype, layout), seq, layout)
         r = self.attn_merge(a, h)
-        m, router_state, routing = self.moe(self.mlp_norm(r, dtype), router_state)
+        m, router_state, routing = self.moe(self.mlp_norm(r, dtype, layout), router_state, layout)
         return self.mlp_merge(m, r), router_state, routing
 
 
@@ -52,20 +53,22 @@ class Zaya(nnx.Module):
     def compute_dtype(self):
         return jnp.dtype(self.cfg.compute_dtype)
 
-    def hidden_states(self, input_ids: jax.Array, segment_ids=None, positions=None, remat: str = "none"):
+    def hidden_states(self, input_ids: jax.Array, segment_ids=None, positions=None, remat: str = "none",
+                      layout: Layout = LOCAL):
         """Final-normed fp32 hidden states [B, S, H] and per-layer expert choices [L, B·S].
 
-        `remat` names a policy of `model/remat.py` applied to each block (training memory).
+        `remat` names a policy of `model/remat.py` applied to each block (training memory);
+        `layout` runs the layers over devices (`model/layout.py`; default: here, one device).
         """
         cfg = self.cfg
         seq = sequence_info(input_ids.shape, segment_ids, positions, max_lag=largest_shift(cfg))
         h = self.input_affine(jnp.take(self.embedding[...], input_ids, axis=0))
         router_state, choices = None, []
-        run = block_runner(remat, self.compute_dtype)
+        run = block_runner(remat, self.compute_dtype, layout)
         for block in self.layers:
             h, router_state, routing = run(block, h, router_state, seq)
             choices.append(routing.expert.reshape(-1))
-        return self.final_norm(h, jnp.float32), jnp.stack(choices)
+        return self.final_norm(h, jnp.float32, layout), jnp.stack(choices)
 
     def logits(self, hidden: jax.Array) -> jax.Array:
         """Tied LM head in fp32."""

@@ -35,7 +35,7 @@ from jax.sharding import PartitionSpec as P
 
 from zaya_jax import kernels
 from zaya_jax.kernels import resolve
-from zaya_jax.model import cca as cca_math  # module reference: cca imports this module too
+from zaya_jax.model import cca as cca_math
 from zaya_jax.model.segments import sequence_info
 from zaya_jax.parallel.axes import SEQUENCE_AXES
 from zaya_jax.parallel.batch_map import axes_in_context, axis_size, layout_map, row_spec

@@ -27,7 +27,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from zaya_jax.model import moe as moe_math  # module reference: moe imports this module too
+from zaya_jax.model import moe as moe_math
 from zaya_jax.parallel.axes import MODEL_AXES
 from zaya_jax.parallel.batch_map import axes_in_context, axis_size, layout_map, row_spec
 from zaya_jax.parallel.rules import keep_axes, partition_spec

@@ -24,7 +24,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from zaya_jax.model import moe as moe_math  # module reference: moe imports the layouts that import this
+from zaya_jax.model import moe as moe_math
 
 
 def ring_experts(xs, group_sizes, gate, up, down, *, axis: str, backend: str | None = None):

@@ -27,6 +27,7 @@ from zaya_jax.errors import ZayaError
 from zaya_jax.experiment import Experiment
 from zaya_jax.kernels.registry import device_target, targeting
 from zaya_jax.parallel.mesh import mesh_for
+from zaya_jax.parallel.mesh_layout import MESH
 from zaya_jax.parallel.rules import named_sharding
 from zaya_jax.train import balancing
 from zaya_jax.train.model_state import ModelDef, init_arrays, model_def
@@ -47,7 +48,8 @@ class Program:
         self.target = self.target or device_target(self.mesh.devices.flat[0])
         self.tx, self.schedule = build_optimizer(c.optim, c.train.steps, self.modeldef.param_axes)
         self.balance_tx = balancing.balancer(c.optim.balance_lr, c.optim.balance_b1, c.optim.balance_b2)
-        self.step_cfg = StepConfig(remat=c.train.remat, vocab_chunk=c.train.loss_vocab_chunk)
+        # The mesh's schedules run the layers; they look at which axes are split when traced.
+        self.step_cfg = StepConfig(remat=c.train.remat, vocab_chunk=c.train.loss_vocab_chunk, layout=MESH)
         self._abstract = jax.eval_shape(self._init)  # traced once: shardings and AOT compile share it
         self.state_shardings = self._state_shardings()
         self._train_step = None

@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from zaya_jax.model.layout import LOCAL, Layout
 from zaya_jax.train import balancing
 from zaya_jax.train.loss import chunked_cross_entropy
 from zaya_jax.train.model_state import ModelDef
@@ -39,13 +40,14 @@ jax.tree_util.register_dataclass(
 class StepConfig:
     remat: str = "none"
     vocab_chunk: int = 16384
+    layout: Layout = LOCAL  # how the layers run over the program's devices (the program picks it)
 
 
 def batch_sums(modeldef: ModelDef, params, biases, batch, cfg: StepConfig):
     """Summed token loss, counted tokens and expert counts [L, E+1] for one micro-batch."""
     model = modeldef.merge(params, biases)
     hidden, choices = model.hidden_states(batch["inputs"], batch["segment_ids"], batch["positions"],
-                                          remat=cfg.remat)
+                                          remat=cfg.remat, layout=cfg.layout)
     tokens = hidden.shape[0] * hidden.shape[1]
     per_token = chunked_cross_entropy(hidden.reshape(tokens, -1), params["embedding"],
                                       batch["targets"].reshape(tokens), chunk_size=cfg.vocab_chunk)
