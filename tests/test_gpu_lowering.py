@@ -12,10 +12,9 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from zaya_jax.errors import ZayaError
-from zaya_jax.experiment import load_experiment
 from zaya_jax.kernels import gpu_lowering, resources, tuning
 from zaya_jax.kernels.registry import resolve, target, targeting
-from zaya_jax.train.program import build_program
+from zaya_jax.train.program import program_for_target
 
 PLATFORMS = ("cuda", "rocm")
 
@@ -124,9 +123,7 @@ LAYOUTS = {  # experiment file → the mesh it sets (the rest over mesh.data)
 
 def lower_step(config: str, overrides: list[str], platform: str, devices=None):
     """(program, Triton calls by kernel) of the experiment's train step lowered for `platform`."""
-    with targeting(platform):
-        exp = load_experiment(config, overrides)
-    program = build_program(exp, devices, target=platform)
+    program = program_for_target(config, overrides, platform, devices)
     return program, gpu_lowering.triton_calls(program.lower_train_step().as_text())
 
 
@@ -156,9 +153,8 @@ def test_the_default_gpu_configuration_lowers_end_to_end(platform):
 
 
 def test_a_program_targeted_at_a_gpu_lowers_but_will_not_compile_on_cpu():
-    with targeting("cuda"):
-        exp = load_experiment("experiments/layouts/base.py", ["--config.model.num_hidden_layers=1"])
-    program = build_program(exp, jax.devices()[:1], target="cuda")
+    program = program_for_target("experiments/layouts/base.py", ["--config.model.num_hidden_layers=1"], "cuda",
+                                 jax.devices()[:1])
     assert not program.runs_here()
     with pytest.raises(ZayaError, match="kernels target cuda but its devices are cpu: it can be lowered"):
         program.compile_train_step()

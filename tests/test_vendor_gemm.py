@@ -186,14 +186,13 @@ def test_grouped_matmul_forward_and_backward_lower_to_ragged_dot_without_triton(
 
 
 def test_train_step_with_cudnn_experts_lowers_for_cuda_with_no_pallas_grouped_matmul(monkeypatch):
-    from zaya_jax.train.program import build_program
+    from zaya_jax.train.program import program_for_target
 
     # This process's JAX has started, so the flag must already be in XLA_FLAGS (it only names it here).
     monkeypatch.setenv("XLA_FLAGS", f"{os.environ.get('XLA_FLAGS', '')} {CUDNN_FLAG}")
-    with targeting("cuda"):
-        exp = load_experiment(BASE, ["--config.model.num_hidden_layers=1", "--config.model.compute_dtype=bfloat16",
-                                     "--config.train.remat=none", "--config.model.moe_kernel=cudnn"])
-    program = build_program(exp, jax.devices()[:1], target="cuda")
+    program = program_for_target(BASE, ["--config.model.num_hidden_layers=1", "--config.model.compute_dtype=bfloat16",
+                                        "--config.train.remat=none", "--config.model.moe_kernel=cudnn"], "cuda",
+                                 jax.devices()[:1])
     text = program.lower_train_step().as_text()
     calls = gpu_lowering.triton_calls(text)
     assert not any("grouped_matmul" in name for name in calls)
@@ -205,13 +204,11 @@ def test_banner_names_the_vendor_gemm_and_its_flag(monkeypatch):
     from zaya_jax.train import loop
 
     monkeypatch.setenv("XLA_FLAGS", f"{os.environ.get('XLA_FLAGS', '')} {CUDNN_FLAG}")
-    with targeting("cuda"):
-        exp = load_experiment(TINY, ["--config.model.moe_kernel=cudnn"])
-        gpu = types.SimpleNamespace(platform="gpu")
-        mesh = types.SimpleNamespace(shape={"data": 1}, size=1, devices=np.array([gpu]))
-        out = io.StringIO()
-        loop._banner(out, exp, types.SimpleNamespace(mesh=mesh), types.SimpleNamespace(describe=lambda: "docs"),
-                     "/w", None)
+    from zaya_jax.train.program import program_for_target
+
+    program = program_for_target(TINY, ["--config.model.moe_kernel=cudnn"], "cuda", jax.devices()[:1])
+    out = io.StringIO()
+    loop._banner(out, program.exp, program, types.SimpleNamespace(describe=lambda: "docs"), "/w", None)
     line = next(l for l in out.getvalue().splitlines() if l.startswith("  kernels"))
     assert line == (f"  kernels attention pallas, experts cudnn (XLA ragged_dot → cuDNN grouped GEMM; {CUDNN_FLAG}), "
                     "norm pallas")

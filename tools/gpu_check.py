@@ -393,15 +393,6 @@ def step_worker(args) -> int:
                      "error": f"{type(e).__name__}: {str(e).strip().splitlines()[0][:240] if str(e).strip() else ''}"})
 
 
-def resolved_kernels(program) -> dict:
-    """The backend each kernel runs with in this program (what `auto` became on its target)."""
-    from zaya_jax.config import KERNEL_FIELDS
-    from zaya_jax.kernels import registry
-    with registry.targeting(program.target):
-        return {kernel: registry.resolve(kernel, getattr(program.modeldef.cfg, field))
-                for field, kernel in KERNEL_FIELDS.items()}
-
-
 def time_step(args, layers: int, device, limit: int, deadline: float) -> dict:
     import jax
     import numpy as np
@@ -417,7 +408,7 @@ def time_step(args, layers: int, device, limit: int, deadline: float) -> dict:
            "model": {k: getattr(m, k) for k in ("hidden_size", "num_hidden_layers", "num_experts",
                                                  "num_attention_heads", "num_key_value_heads", "head_dim",
                                                  "moe_intermediate_size", "vocab_size", "compute_dtype")},
-           "kernels": resolved_kernels(program),
+           "kernels": program.kernels(),
            "remat": c.remat, "params": int(sum(x.size for x in jax.tree.leaves(program.abstract_state().params))),
            "limit_bytes": limit}
     say(f"compiling {layers} layers, {c.global_batch_size} × {c.seq_len} tokens per step")

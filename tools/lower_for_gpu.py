@@ -62,18 +62,21 @@ def main(argv=None) -> int:
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
                                f" --xla_force_host_platform_device_count={args.devices}").strip()
     from zaya_jax.errors import ZayaError
+    from zaya_jax.train.program import program_for_target
 
     report = {"platforms": platforms, "steps": [], "kernels": []}
     failed = False
     for platform in platforms:
         try:
+            program = program_for_target(args.config, overrides, platform) if args.config else None
+        except ZayaError as e:  # the experiment or its layout: the user's input
+            return _fail(str(e))
+        try:
             if args.kernels:
                 report["kernels"] += lower_kernels(platform)
-            if args.config:
-                report["steps"].append(lower_step(args.config, overrides, platform))
+            if program is not None:
+                report["steps"].append(lower_step(program, args.config, overrides, platform))
         except ZayaError as e:
-            if _is_input_error(e):
-                return _fail(str(e))
             print(f"lower_for_gpu: {platform}: {e}", file=sys.stderr, flush=True)
             failed = True
     if args.out:
@@ -81,11 +84,6 @@ def main(argv=None) -> int:
             json.dump(report, f, indent=2)
             f.write("\n")
     return 1 if failed else 0
-
-
-def _is_input_error(e) -> bool:
-    """Errors raised while loading the experiment and checking its layout are the user's input."""
-    return getattr(e, "input_error", False)
 
 
 def _fail(message: str) -> int:
@@ -109,22 +107,11 @@ def lower_kernels(platform: str) -> list[dict]:
     return rows
 
 
-def lower_step(config: str, overrides: list[str], platform: str) -> dict:
-    """The experiment's train step lowered for `platform`: its Triton calls by kernel and the time taken."""
-    from zaya_jax.config import KERNEL_FIELDS
+def lower_step(program, config: str, overrides: list[str], platform: str) -> dict:
+    """The program's train step lowered for `platform`: its Triton calls by kernel and the time taken."""
     from zaya_jax.errors import ZayaError
-    from zaya_jax.experiment import load_experiment
     from zaya_jax.kernels import gpu_lowering
-    from zaya_jax.kernels.registry import resolve, targeting
-    from zaya_jax.train.program import build_program
 
-    try:
-        with targeting(platform):  # kernel backends are validated for the GPU, not this CPU
-            exp = load_experiment(config, overrides)
-            program = build_program(exp, target=platform)
-    except ZayaError as e:
-        e.input_error = True
-        raise
     start = time.perf_counter()
     try:
         text = program.lower_train_step(platform).as_text()
@@ -134,16 +121,15 @@ def lower_step(config: str, overrides: list[str], platform: str) -> dict:
     seconds = time.perf_counter() - start
     calls = gpu_lowering.triton_calls(text)
     mesh = {k: int(v) for k, v in program.mesh.shape.items() if v > 1}
-    m = exp.model
-    with targeting(platform):
-        kernels = {kernel: resolve(kernel, getattr(m, field)) for field, kernel in KERNEL_FIELDS.items()}
+    m, kernels = program.exp.model, program.kernels()
     print(f"{platform}: lowered {config} ({', '.join(f'{k}={v}' for k, v in mesh.items()) or 'one device'}; "
           f"{m.compute_dtype}; kernels {', '.join(f'{k} {v}' for k, v in kernels.items())}) "
           f"in {seconds:.1f}s: {sum(calls.values())} Triton calls", flush=True)
     for name, count in sorted(calls.items()):
         print(f"  {name:<34} {count:5d}")
     return {"platform": platform, "config": config, "overrides": overrides, "mesh": mesh,
-            "compute_dtype": m.compute_dtype, "kernels": kernels, "lower_sec": round(seconds, 2), "triton_calls": dict(calls)}
+            "compute_dtype": m.compute_dtype, "kernels": kernels, "lower_sec": round(seconds, 2),
+            "triton_calls": dict(calls)}
 
 
 if __name__ == "__main__":

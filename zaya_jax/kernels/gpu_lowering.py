@@ -8,7 +8,7 @@ same kernels in tests, accepts many such programs. This module owns:
 - `lower(fn, args, platform)`: the StableHLO text of `fn` lowered for `cuda` or `rocm`, traced
   under that kernel target (so `auto` kernels, interpret mode and tuning rows are the GPU's);
 - `triton_calls(text)`: how many Triton kernel calls the text holds, by kernel name;
-- `KERNEL_CASES` / `lower_kernel_case`: every Pallas kernel, forward and forward+backward, at
+- `kernel_cases` / `lower_kernel_case`: every Pallas kernel, forward and forward+backward, at
   ZAYA1's shapes (head_dim 128, 8 query : 2 KV heads, packed segment ids, the sequence-split
   offset form, 16 experts of 2048 x 2048), from shapes alone (nothing is allocated).
 

@@ -23,7 +23,7 @@ from zaya_jax.data.pipeline import DataPipeline, DataSettings
 from zaya_jax.data.tokenizer import load_tokenizer
 from zaya_jax.errors import ZayaError
 from zaya_jax.experiment import Experiment
-from zaya_jax.kernels import resolve as resolve_kernel, xla_flags
+from zaya_jax.kernels import xla_flags
 from zaya_jax.kernels.registry import describe as describe_kernel
 from zaya_jax.parallel.mesh import BATCH_AXES
 from zaya_jax.train import compile_cache
@@ -225,11 +225,9 @@ def _banner(out, exp: Experiment, program: Program, data: DataPipeline, workdir:
     print(f"  model   {m.num_hidden_layers} layers, hidden {m.hidden_size}, {m.num_experts} experts, "
           f"vocab {m.vocab_size}; {active / 1e6:.2f}M active matmul params/token; compute {m.compute_dtype}", file=out)
 
-    def kernel(name: str, backend: str) -> str:  # vendor GEMMs say which library and which XLA flag
-        return describe_kernel(name, resolve_kernel(name, backend))
-
-    print(f"  kernels attention {kernel('attention', m.attention_kernel)}, experts "
-          f"{kernel('grouped_matmul', m.moe_kernel)}, norm {kernel('rms_norm', m.norm_kernel)}", file=out)
+    kernels = {name: describe_kernel(name, backend) for name, backend in program.kernels().items()}
+    print(f"  kernels attention {kernels['attention']}, experts {kernels['grouped_matmul']}, "
+          f"norm {kernels['rms_norm']}", file=out)
     print(f"  mesh    {program.mesh.size} {program.mesh.devices.flat[0].platform} device(s): {axes}", file=out)
     print(f"  data    {data.describe()}; rows of {c.train.seq_len} tokens", file=out)
     print(f"  steps   {c.train.steps} x {c.train.global_batch_size} sequences "

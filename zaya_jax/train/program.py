@@ -24,8 +24,9 @@ import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from zaya_jax.errors import ZayaError
-from zaya_jax.experiment import Experiment
-from zaya_jax.kernels.registry import device_target, targeting
+from zaya_jax.config import KERNEL_FIELDS
+from zaya_jax.experiment import Experiment, load_experiment
+from zaya_jax.kernels.registry import device_target, resolve, targeting
 from zaya_jax.parallel.mesh import mesh_for
 from zaya_jax.parallel.mesh_layout import MESH
 from zaya_jax.parallel.rules import named_sharding
@@ -45,7 +46,7 @@ class Program:
 
     def __post_init__(self):
         c = self.exp.config
-        self.target = self.target or device_target(self.mesh.devices.flat[0])
+        self.target = self.target or self.devices_target
         self.tx, self.schedule = build_optimizer(c.optim, c.train.steps, self.modeldef.param_axes)
         self.balance_tx = balancing.balancer(c.optim.balance_lr, c.optim.balance_b1, c.optim.balance_b2)
         # The mesh's schedules run the layers; they look at which axes are split when traced.
@@ -126,15 +127,28 @@ class Program:
         return jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
                             self.abstract_state(), self.state_shardings)
 
+    @property
+    def devices_target(self) -> str:
+        """The kernel target of the mesh's own devices."""
+        return device_target(self.mesh.devices.flat[0])
+
     def runs_here(self) -> bool:
         """True when the kernel target is the mesh devices' own platform (the program can compile and run)."""
-        return self.target == device_target(self.mesh.devices.flat[0])
+        return self.target == self.devices_target
+
+    def kernels(self) -> dict[str, str]:
+        """The backend each kernel runs with in this program: what the config's names (`auto`
+        included) resolve to on its kernel target."""
+        with targeting(self.target):
+            return {kernel: resolve(kernel, getattr(self.modeldef.cfg, field))
+                    for field, kernel in KERNEL_FIELDS.items()}
+
+    def _traced_train_step(self):
+        return self.jitted_train_step().trace(self.placed_abstract_state(), self.abstract_batch())
 
     def lower_train_step(self, platform: str | None = None):
         """The train step lowered from abstract shapes for `platform` (default: the kernel target)."""
-        platform = platform or self.target
-        return self.jitted_train_step().trace(self.placed_abstract_state(), self.abstract_batch()).lower(
-            lowering_platforms=(platform,))
+        return self._traced_train_step().lower(lowering_platforms=(platform or self.target,))
 
     def compile_train_step(self):
         """AOT-compile the train step from abstract shapes; returns (compiled, seconds)."""
@@ -149,9 +163,9 @@ class Program:
         compilation cache, which serves this phase only)."""
         if not self.runs_here():
             raise ZayaError(f"this program's kernels target {self.target} but its devices are "
-                            f"{device_target(self.mesh.devices.flat[0])}: it can be lowered, not compiled")
+                            f"{self.devices_target}: it can be lowered, not compiled")
         clock = [time.perf_counter()]
-        traced = self.jitted_train_step().trace(self.placed_abstract_state(), self.abstract_batch())
+        traced = self._traced_train_step()
         clock.append(time.perf_counter())
         lowered = traced.lower()
         clock.append(time.perf_counter())
@@ -186,3 +200,11 @@ def build_program(exp: Experiment, devices=None, target: str | None = None) -> P
     micro = c.train.global_batch_size // c.train.grad_accum_steps
     mesh = mesh_for(dict(c.mesh), exp.model, micro, c.train.seq_len, devices)
     return Program(exp, mesh, model_def(exp.model), target)
+
+
+def program_for_target(config: str, overrides, target: str, devices=None) -> Program:
+    """The program of an experiment file with its kernels built, and validated, for `target`: e.g.
+    a CUDA or ROCm program on this machine's CPU devices, to lower (`tools/lower_for_gpu.py`)."""
+    with targeting(target):  # backends are checked against the target, not this machine
+        exp = load_experiment(config, list(overrides))
+    return build_program(exp, devices, target)
