@@ -68,10 +68,13 @@ def _tensorboard_tags(path):
     (["--config.model.moe_kernel=triton"], "model.moe_kernel must be one of", 1),
     (["--config.model.attention_kernel=cudnn"], "model.attention_kernel=cudnn cannot train: training packs", 1),
     (["--config.model.moe_kernel=hipblaslt"], "the hipblaslt grouped_matmul backend needs an AMD GPU (ROCm)", 1),
+    (["--config.train.compile_cache="], "train.compile_cache must be 'workdir', 'off' or a directory", 1),
+    (["--config.train.compile_cache=/dev/null/cache"], "train.compile_cache: cannot create /dev/null/cache", 1),
     (["--config.mesh.tensor=4", "--config.mesh.data=2"],
      "model.num_key_value_heads (2) is not divisible by mesh.tensor (4): CCA mixes the query heads", 8),
 ], ids=["unknown-key", "mistyped-override", "mesh-vs-devices", "batch-vs-data-axes", "missing-data", "missing-tokenizer",
-        "unknown-kernel", "cudnn-attention-cannot-train", "hipblaslt-without-rocm", "kv-heads-vs-tensor"])
+        "unknown-kernel", "cudnn-attention-cannot-train", "hipblaslt-without-rocm", "empty-compile-cache",
+        "unwritable-compile-cache", "kv-heads-vs-tensor"])
 def test_bad_inputs_are_one_line_errors(tmp_path, args, words, devices):
     result = zaya("train", f"--config={TINY}", f"--workdir={tmp_path / 'w'}", *args, devices=devices)
     _assert_clean_error(result, words)
