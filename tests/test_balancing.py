@@ -26,10 +26,11 @@ def test_load_error_and_counts():
 
 def test_overloaded_expert_bias_goes_down():
     counts = jnp.array([[8.0, 0.0, 0.0, 0.0, 0.0]])
-    biases = {"b": jnp.zeros((5,))}
+    biases = {"b": jnp.zeros((1, 5))}
     tx = balancing.balancer(0.1)
-    new, _ = balancing.update_biases(biases, counts, ["b"], tx, tx.init(biases))
-    assert new["b"][0] < 0 and np.all(np.asarray(new["b"][1:4]) > 0) and new["b"][4] == 0
+    new, _ = balancing.update_biases(biases, counts, "b", tx, tx.init(biases))
+    b = np.asarray(new["b"][0])
+    assert b[0] < 0 and np.all(b[1:4] > 0) and b[4] == 0
 
 
 def _balance(probs, lr, steps, num_experts):
@@ -40,11 +41,11 @@ def _balance(probs, lr, steps, num_experts):
     def step(b, opt):
         counts = balancing.expert_counts(choose_top1(probs, b).expert[None], jnp.ones(probs.shape[0], bool),
                                          num_experts)
-        new, opt = balancing.update_biases({"b": b}, counts, ["b"], tx, opt)
-        return new["b"], opt, balancing.load_summary(counts)
+        new, opt = balancing.update_biases({"b": b[None]}, counts, "b", tx, opt)
+        return new["b"][0], opt, balancing.load_summary(counts)
 
     b = initial_balancing_biases(num_experts)
-    opt = tx.init({"b": b})
+    opt = tx.init({"b": b[None]})
     history = []
     for _ in range(steps):
         b, opt, summary = step(b, opt)
@@ -75,6 +76,6 @@ def test_router_uses_the_balancing_biases_for_the_choice_only():
     cfg = preset("tiny")
     modeldef, params, biases = split(Zaya(cfg, rngs=nnx.Rngs(0)))
     tokens = jax.random.randint(jax.random.key(1), (2, 16), 0, cfg.vocab_size)
-    pushed = {k: v.at[1].set(10.0) for k, v in biases.items()}  # force expert 1 everywhere
+    pushed = {k: v.at[:, 1].set(10.0) for k, v in biases.items()}  # force expert 1 in every layer
     _, choices = modeldef.merge(params, pushed).hidden_states(tokens)
     assert np.all(np.asarray(choices) == 1)

@@ -86,18 +86,20 @@ def test_targeting_sets_auto_backends_and_interpret_mode_then_restores_them():
 # The bf16 train step of every layout family
 
 
-def expected_calls(model, mesh: dict, remat: str) -> dict:
-    """The Triton calls of one train step, from the model and layout (remat 'none' or 'full').
+def expected_calls(program, mesh: dict) -> dict:
+    """The Triton calls of one train step, from the model, layout and remat ('none' or 'full').
 
-    Per layer: the attention kernels run once per KV-group bucket (TSP gathers one group at a time)
+    Per traced block (one when the layers are scanned, each layer when unrolled): the attention kernels run once per KV-group bucket (TSP gathers one group at a time)
     and per sequence chunk (one static causal-offset branch each); three norms; three grouped
     matmuls forward and three input-gradient ones backward, plus three weight-gradient ones. The
     TSP ring runs each step's matmuls once per slice, and its backward recomputes gate and up. Full
     remat runs every block's forward kernels a second time in the backward.
     """
-    layers, tsp = model.num_hidden_layers, mesh.get("tsp", 1)
+    model, step = program.exp.model, program.step_cfg
+    layers = 1 if step.scan_layers else model.num_hidden_layers
+    tsp = mesh.get("tsp", 1)
     chunks = tsp * mesh.get("sequence", 1)
-    again = 2 if remat == "full" else 1
+    again = 2 if step.remat == "full" else 1
     attention = layers * (model.num_key_value_heads if tsp > 1 else 1) * chunks
     forward_gmm, backward_gmm = (3 * tsp, 5 * tsp) if tsp > 1 else (3, 3)
     return {
@@ -137,7 +139,8 @@ def test_bf16_train_step_of_each_layout_lowers_with_exact_triton_calls(layout, p
     devices = jax.devices()[:1] if layout == "one_device" else None
     program, calls = lower_step(config, overrides, platform, devices)
     assert {a: s for a, s in program.mesh.shape.items() if s > 1} == mesh
-    assert dict(calls) == expected_calls(program.exp.model, mesh, "none")
+    assert program.step_cfg.remat == "none"
+    assert dict(calls) == expected_calls(program, mesh)
 
 
 @pytest.mark.parametrize("platform", PLATFORMS)
@@ -149,7 +152,11 @@ def test_the_default_gpu_configuration_lowers_end_to_end(platform):
     model = program.exp.model
     assert (model.compute_dtype, model.hidden_size, model.num_attention_heads, model.num_key_value_heads) == \
         ("bfloat16", 2048, 8, 2)
-    assert dict(calls) == expected_calls(model, {"fsdp": 8}, "full")
+    assert program.step_cfg.remat == "full"
+    assert dict(calls) == expected_calls(program, {"fsdp": 8})
+    unrolled, unrolled_calls = lower_step("experiments/zaya1_base_phase1.py",
+                                          overrides + ["--config.train.scan_layers=false"], platform)
+    assert dict(unrolled_calls) == expected_calls(unrolled, {"fsdp": 8})
 
 
 def test_a_program_targeted_at_a_gpu_lowers_but_will_not_compile_on_cpu():

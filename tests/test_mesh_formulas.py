@@ -95,10 +95,11 @@ def test_bad_curve_files_say_what_is_wrong(tmp_path, records, words):
 def test_state_bytes_by_hand():
     from zaya_jax.model.state import expected_shapes
 
-    deep = TINY.replace(num_hidden_layers=5)  # the 2-layer copy stands for all five blocks
+    deep = TINY.replace(num_hidden_layers=5)  # one stacked block's weights stand for all five
     biases = 5 * (deep.num_experts + 1)  # balancing biases: state, not parameters
+    inert = deep.router_hidden_size  # layer 0's EDA scale: in the stacked state, not the per-layer model
     assert sum(g.count * g.elements for g in inventory.param_groups(deep)) == sum(
-        math.prod(s) for s in expected_shapes(deep).values()) - biases
+        math.prod(s) for s in expected_shapes(deep).values()) - biases + inert
     cfg = TINY  # H 64, 4 heads / 2 KV of 16, 4 experts x 32, router 16, vocab 256, 2 layers
     groups = inventory.param_groups(cfg)
     total = sum(g.count * g.elements for g in groups)

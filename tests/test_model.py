@@ -51,9 +51,11 @@ def test_every_parameter_carries_logical_axes():
 
 def test_skip_class_outputs_zero():
     m = model()
-    for block in m.layers:  # force every token to the skip class
-        block.moe.router.balancing_biases[...] = jnp.zeros(CFG.num_experts + 1).at[-1].set(10.0)
+    skip_all = jnp.zeros(CFG.num_experts + 1).at[-1].set(10.0)  # force every token to the skip class
+    m.layers.moe.router.balancing_biases[...] = jnp.tile(skip_all, (CFG.num_hidden_layers, 1))
+    graphdef, stacked = nnx.split(m.layers)
+    first = nnx.merge(graphdef, jax.tree.map(lambda a: a[0], stacked))
     x = jnp.ones((1, 5, CFG.hidden_size))
-    out, _, routing = m.layers[0].moe(x, None)
+    out, _, routing = first.moe(x, None)
     assert (np.asarray(routing.expert) == CFG.num_experts).all()
     np.testing.assert_array_equal(np.asarray(out), 0.0)

@@ -65,18 +65,24 @@ def _optimizer(params, **changes):
     optim = base_config().optim
     optim.unlock()
     optim.update(warmup_steps=0, lr=1.0, min_lr=1.0, **changes)
-    return build_optimizer(optim, 10, params)[0]
+    return build_optimizer(optim, 10, axes_of(params))[0]
+
+
+def axes_of(params):
+    """Logical axes as the model gives them: stacked block weights lead with `layers`."""
+    return {k: (("layers",) if k.startswith("layers/") else ()) + (None,) * (v.ndim - k.startswith("layers/"))
+            for k, v in params.items()}
 
 
 def test_muon_skips_the_leaves_adamw_owns():
-    params = {"layers/0/attn/wq": jnp.ones((16, 2, 8)), "final_norm/weight": jnp.ones((16,))}
+    params = {"layers/attn/wq": jnp.ones((3, 16, 2, 8)), "final_norm/weight": jnp.ones((16,))}
     tx = _optimizer(params, clip_norm=0.0, weight_decay=0.0)
     state = tx.init(params)
     [muon] = [s for s in jax.tree_util.tree_leaves(state, is_leaf=lambda s: isinstance(s, MuonState))
               if isinstance(s, MuonState)]
-    assert muon.momentum["layers/0/attn/wq"].shape == (16, 2, 8)
+    assert muon.momentum["layers/attn/wq"].shape == (3, 16, 2, 8)
     assert isinstance(muon.momentum["final_norm/weight"], optax.MaskedNode)  # no momentum, no Newton–Schulz
-    grads = {"layers/0/attn/wq": jnp.ones((16, 2, 8)), "final_norm/weight": jnp.full((16,), 3.0)}
+    grads = {"layers/attn/wq": jnp.ones((3, 16, 2, 8)), "final_norm/weight": jnp.full((16,), 3.0)}
     updates, _ = tx.update(grads, state, params)
     np.testing.assert_allclose(updates["final_norm/weight"], -1.0, rtol=1e-6)  # AdamW's first step: -lr·sign(g)
 
@@ -86,27 +92,27 @@ EXPECTED = {
     "final_norm/weight": ("adamw", False),
     "input_affine/scale": ("adamw", False),
     "input_affine/bias": ("adamw", False),
-    "layers/1/attn/wq": ("muon", True),
-    "layers/1/attn/wk": ("muon", True),
-    "layers/1/attn/wv_current": ("muon", True),
-    "layers/1/attn/wv_delayed": ("muon", True),
-    "layers/1/attn/wo": ("muon", True),
-    "layers/1/attn/conv_depthwise": ("adamw", True),
-    "layers/1/attn/conv_grouped": ("adamw", True),
-    "layers/1/attn/conv_grouped_bias": ("adamw", False),
-    "layers/1/attn/temperature": ("adamw", False),
-    "layers/1/attn_norm/weight": ("adamw", False),
-    "layers/1/attn_merge/branch/scale": ("adamw", False),
-    "layers/1/mlp_merge/residual/bias": ("adamw", False),
-    "layers/1/moe/router/down": ("muon", True),
-    "layers/1/moe/router/down_bias": ("adamw", False),
-    "layers/1/moe/router/eda_scale": ("adamw", False),
-    "layers/1/moe/router/fc1": ("muon", True),
-    "layers/1/moe/router/out": ("muon", True),
-    "layers/1/moe/router/norm/weight": ("adamw", False),
-    "layers/1/moe/experts/gate": ("muon", True),
-    "layers/1/moe/experts/up": ("muon", True),
-    "layers/1/moe/experts/down": ("muon", True),
+    "layers/attn/wq": ("muon", True),
+    "layers/attn/wk": ("muon", True),
+    "layers/attn/wv_current": ("muon", True),
+    "layers/attn/wv_delayed": ("muon", True),
+    "layers/attn/wo": ("muon", True),
+    "layers/attn/conv_depthwise": ("adamw", True),
+    "layers/attn/conv_grouped": ("adamw", True),
+    "layers/attn/conv_grouped_bias": ("adamw", False),
+    "layers/attn/temperature": ("adamw", False),
+    "layers/attn_norm/weight": ("adamw", False),
+    "layers/attn_merge/branch/scale": ("adamw", False),
+    "layers/mlp_merge/residual/bias": ("adamw", False),
+    "layers/moe/router/down": ("muon", True),
+    "layers/moe/router/down_bias": ("adamw", False),
+    "layers/moe/router/eda_scale": ("adamw", False),
+    "layers/moe/router/fc1": ("muon", True),
+    "layers/moe/router/out": ("muon", True),
+    "layers/moe/router/norm/weight": ("adamw", False),
+    "layers/moe/experts/gate": ("muon", True),
+    "layers/moe/experts/up": ("muon", True),
+    "layers/moe/experts/down": ("muon", True),
 }
 
 
@@ -118,25 +124,41 @@ def test_partition_puts_each_parameter_where_the_recipe_says():
         assert path in paths
         rule = rule_for(path)
         assert (rule.optimizer, rule.decay) == (optimizer, decay), path
-    assert rule_for("layers/0/moe/experts/down").view == MatrixView(1, 1)
-    assert rule_for("layers/0/attn/wo").view == MatrixView(0, 2)
+    assert rule_for("layers/moe/experts/down").view == MatrixView(1, 1)
+    assert rule_for("layers/attn/wo").view == MatrixView(0, 2)
     with pytest.raises(ZayaError, match="no optimizer rule"):
-        rule_for("layers/0/attn/mystery")
+        rule_for("layers/attn/mystery")
 
 
 def test_optimizer_applies_muon_and_adamw_per_partition():
     optim = base_config().optim
     optim.unlock()
     optim.update(clip_norm=0.0, weight_decay=0.0, warmup_steps=0)
-    params = {"layers/0/attn/wq": jnp.zeros((16, 2, 8)), "final_norm/weight": jnp.zeros((16,))}
-    tx, schedule = build_optimizer(optim, 10, params)
-    grads = {"layers/0/attn/wq": jax.random.normal(jax.random.key(4), (16, 2, 8)),
+    params = {"layers/attn/wq": jnp.zeros((3, 16, 2, 8)), "final_norm/weight": jnp.zeros((16,))}
+    tx, schedule = build_optimizer(optim, 10, axes_of(params))
+    grads = {"layers/attn/wq": jax.random.normal(jax.random.key(4), (3, 16, 2, 8)),
              "final_norm/weight": jax.random.normal(jax.random.key(5), (16,))}
     updates, _ = tx.update(grads, tx.init(params), params)
     lr = float(schedule(0))
     # AdamW's first update is -lr·sign(g); Muon's has RMS lr·0.2.
     np.testing.assert_allclose(updates["final_norm/weight"], -lr * np.sign(grads["final_norm/weight"]), rtol=1e-4)
-    np.testing.assert_allclose(float(jnp.sqrt(jnp.mean(updates["layers/0/attn/wq"] ** 2))), 0.2 * lr, rtol=0.15)
+    for layer in updates["layers/attn/wq"]:
+        np.testing.assert_allclose(float(jnp.sqrt(jnp.mean(layer ** 2))), 0.2 * lr, rtol=0.15)
+
+
+def test_muon_orthogonalises_each_layer_of_a_stacked_weight_on_its_own():
+    optim = base_config().optim
+    optim.unlock()
+    optim.update(clip_norm=0.0, weight_decay=0.0, warmup_steps=0)
+    grads = jax.random.normal(jax.random.key(6), (3, 16, 2, 8))
+    stacked_tx, _ = build_optimizer(optim, 10, {"layers/attn/wq": ("layers", "embed", "heads", "head_dim")})
+    single_tx, _ = build_optimizer(optim, 10, {"attn/wq": ("embed", "heads", "head_dim")})
+    params = {"layers/attn/wq": jnp.zeros((3, 16, 2, 8))}
+    stacked, _ = stacked_tx.update({"layers/attn/wq": grads}, stacked_tx.init(params), params)
+    for i in range(3):
+        one = {"attn/wq": jnp.zeros((16, 2, 8))}
+        alone, _ = single_tx.update({"attn/wq": grads[i]}, single_tx.init(one), one)
+        np.testing.assert_allclose(stacked["layers/attn/wq"][i], alone["attn/wq"], rtol=1e-5, atol=1e-7)
 
 
 def test_schedule_warmup_then_cosine():

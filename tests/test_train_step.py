@@ -75,13 +75,13 @@ def test_layout_trains_like_one_device(single, mesh):
 def test_parameters_are_sharded_as_the_rules_say():
     program = build_program(load_experiment(TINY, _overrides(fsdp=2, expert=4)), devices=jax.devices())
     state = program.init()
-    wq = state.params["layers/0/attn/wq"]  # [H, nq, d]: H over fsdp
-    gate = state.params["layers/0/moe/experts/gate"]  # [E, H, I]: E over expert, H over fsdp
-    assert wq.sharding.spec[0] == "fsdp"
-    assert tuple(gate.sharding.spec[:2]) == ("expert", "fsdp")
-    assert gate.addressable_shards[0].data.shape == (1, 64, 128)
+    wq = state.params["layers/attn/wq"]  # [L, H, nq, d]: the layer axis whole, H over fsdp
+    gate = state.params["layers/moe/experts/gate"]  # [L, E, H, I]: E over expert, H over fsdp
+    assert tuple(wq.sharding.spec[:2]) == (None, "fsdp")
+    assert tuple(gate.sharding.spec[:3]) == (None, "expert", "fsdp")
+    assert gate.addressable_shards[0].data.shape == (2, 1, 64, 128)
     flat = jax.tree_util.tree_flatten_with_path(state.opt_state)[0]  # moments follow their parameter
-    moments = [x for path, x in flat if "'layers/0/moe/experts/gate'" in jax.tree_util.keystr(path)]
+    moments = [x for path, x in flat if "'layers/moe/experts/gate'" in jax.tree_util.keystr(path)]
     assert moments and all(x.sharding.spec == gate.sharding.spec for x in moments)
 
 
@@ -102,17 +102,24 @@ PALLAS = ["--config.model.attention_kernel=pallas", "--config.model.moe_kernel=p
           "--config.model.norm_kernel=pallas"]
 
 
+def _shard_maps(overrides) -> int:
+    program = build_program(load_experiment(TINY, overrides), devices=jax.devices())
+    hlo = program.jitted_train_step().lower(program.placed_abstract_state(), program.abstract_batch()).as_text()
+    return hlo.count("sdy.manual_computation")
+
+
 def test_pallas_kernels_run_per_batch_shard_and_train_like_one_device(single):
     # Pallas kernels (interpret mode here) are opaque to GSPMD on a GPU, so the model shard_maps
     # them over the batch axes; the run must still match the single-device XLA-kernel run.
     overrides = _overrides(data=4, fsdp=2) + PALLAS
-    program = build_program(load_experiment(TINY, overrides), devices=jax.devices())
-    hlo = program.jitted_train_step().lower(program.placed_abstract_state(), program.abstract_batch()).as_text()
     # One shard_map per kernel call (per layer: attention, three norms and the experts' schedule; then
-    # the final norm), and one more for each call's transpose in the backward.
-    layers = program.exp.model.num_hidden_layers
-    assert hlo.count("sdy.manual_computation") == 2 * (5 * layers + 1), \
+    # the final norm), and one more for each call's transpose in the backward. Unrolled, every
+    # layer has its own; scanned, the block body holds them once, and JAX's partial evaluation of
+    # the scan stages the experts' schedule once more in the backward (it sorts the tokens again).
+    layers = load_experiment(TINY, overrides).model.num_hidden_layers
+    assert _shard_maps(overrides + ["--config.train.scan_layers=false"]) == 2 * (5 * layers + 1), \
         "a Pallas kernel is not shard_mapped over the batch axes"
+    assert _shard_maps(overrides) == 2 * (5 + 1) + 1
     losses, params, _ = _run(overrides, jax.devices())
     ref_losses, ref_params, _ = single
     np.testing.assert_allclose(losses, ref_losses, rtol=2e-5)

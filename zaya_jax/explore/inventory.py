@@ -1,7 +1,7 @@
 """Per-device bytes of parameters, gradients and optimizer state for a layout: exact, from the model.
 
-The model's own parameter table (shapes and logical axes, from a 2-layer copy: blocks 1..L-1 are
-identical, block 0 lacks the EDA scale) goes through the one sharding rules table
+The model's own parameter table (shapes and logical axes, from a 1-layer copy: the blocks are
+stored stacked, one row of each block weight per layer) goes through the one sharding rules table
 (`parallel/rules.py`) with the layout's axis sizes, and through the optimizer partition
 (`train/optim.py`): Muon keeps one fp32 momentum per parameter, AdamW two fp32 moments. So the
 prediction and the run share every fact, and a change to the rules changes both.
@@ -17,6 +17,7 @@ import types
 import jax.numpy as jnp
 
 from zaya_jax.config import ModelConfig
+from zaya_jax.model.layer_stack import is_stacked
 from zaya_jax.model.params import PARAM_DTYPE
 from zaya_jax.parallel.rules import partition_spec, spec_axes
 from zaya_jax.train.muon import MatrixView
@@ -30,7 +31,7 @@ OPTIMIZER_STATES = {"muon": 1, "adamw": 2}  # fp32 tensors of the parameter's sh
 class ParamGroup:
     """Parameters with one shape, logical axes and optimizer; `count` of them in the model."""
 
-    path: str  # a representative path, e.g. layers/1/attn/wq
+    path: str  # the model's path, e.g. layers/attn/wq (then shape/axes are one layer's)
     shape: tuple[int, ...]
     axes: tuple[str, ...]
     count: int
@@ -63,24 +64,21 @@ def param_groups(cfg: ModelConfig) -> tuple[ParamGroup, ...]:
     """Every parameter of the model as groups of identical ones (shape, axes, optimizer)."""
     from zaya_jax.train.model_state import model_def
 
-    layers = cfg.num_hidden_layers
-    small = model_def(cfg.replace(num_hidden_layers=min(layers, 2)))
+    small = model_def(cfg.replace(num_hidden_layers=1))
     shapes, axes = small.param_shapes, small.param_axes
     groups = []
     for path, shape in shapes.items():
-        parts = path.split("/")
-        count = 1
-        if parts[0] == "layers" and parts[1] == "1":
-            count = layers - 1  # block 1 stands for blocks 1..L-1
+        shape, path_axes, count = tuple(shape), tuple(axes[path]), 1
+        if is_stacked(path):  # one block's weight, stored once per layer
+            shape, path_axes, count = shape[1:], path_axes[1:], cfg.num_hidden_layers
         rule = rule_for(path)
-        groups.append(ParamGroup(path, tuple(shape), tuple(axes[path]), count, rule.optimizer, rule.view, _part(path)))
+        groups.append(ParamGroup(path, shape, path_axes, count, rule.optimizer, rule.view, _part(path)))
     return tuple(groups)
 
 
 def block_groups(cfg: ModelConfig) -> list[ParamGroup]:
-    """The parameters of one (repeated) block: block 1's, or block 0's in a 1-layer model."""
-    layer = "layers/1/" if cfg.num_hidden_layers > 1 else "layers/0/"
-    return [g for g in param_groups(cfg) if g.path.startswith(layer)]
+    """The parameters of one (repeated) block."""
+    return [g for g in param_groups(cfg) if is_stacked(g.path)]
 
 
 @functools.lru_cache(maxsize=65536)

@@ -3,12 +3,17 @@
 `none` keeps every activation for the backward; `full` keeps only each block's inputs and
 recomputes the block in the backward (least memory); `dots` also keeps the outputs of the plain
 matmuls (projections) and recomputes the rest (attention core, convs, norms, experts).
+
+The policy wraps the body of the layer scan (`model/layer_stack.py`). Inside a scan JAX needs
+no CSE barrier (`prevent_cse=False`, the cheaper program); an unrolled stack keeps the barrier,
+without which XLA may merge the recomputation back into the forward and keep everything.
 """
 
 from __future__ import annotations
 
+from typing import Callable
+
 import jax
-from flax import nnx
 
 REMAT_POLICIES = {
     "none": None,
@@ -17,14 +22,10 @@ REMAT_POLICIES = {
 }
 
 
-def block_runner(policy: str, dtype, layout):
-    """`run(block, h, router_state, seq)` under the named policy, laid out by `layout`."""
+def checkpointed(fn: Callable, policy: str, *, in_scan: bool) -> Callable:
+    """`fn` under the named policy (unchanged for `none`)."""
     if policy not in REMAT_POLICIES:
         raise ValueError(f"unknown remat policy {policy!r}; choose one of {sorted(REMAT_POLICIES)}")
-
-    def run(block, h, router_state, seq):
-        return block(h, router_state, seq, dtype, layout)
-
     if REMAT_POLICIES[policy] is None:
-        return run
-    return nnx.remat(run, policy=REMAT_POLICIES[policy], prevent_cse=False)
+        return fn
+    return jax.checkpoint(fn, policy=REMAT_POLICIES[policy], prevent_cse=not in_scan)

@@ -16,7 +16,7 @@ from flax import nnx
 from zaya_jax.config import ModelConfig
 from zaya_jax.model.layout import LOCAL, Layout
 from zaya_jax.model.norms import RMSNorm
-from zaya_jax.model.params import BalancingBias, constant, make_param, normal
+from zaya_jax.model.params import PARAM_DTYPE, BalancingBias, constant, make_param, normal
 
 
 @dataclasses.dataclass(frozen=True)
@@ -40,8 +40,10 @@ class Router(nnx.Module):
         init = normal(cfg.initializer_range)
         self.down = make_param(rngs, init, (h, r), ("embed", "router"))
         self.down_bias = make_param(rngs, constant(0.0), (r,), ("router",))
-        # EDA scale exists from the second MoE layer on (HF has no router_states_scale in layer 0).
-        self.eda_scale = make_param(rngs, constant(1.0), (r,), ("router",)) if layer > 0 else None
+        # HF has no router_states_scale in layer 0, whose incoming router state is zero: its scale
+        # is inert, made without drawing a key so every other weight's init stays as it was.
+        self.eda_scale = (make_param(rngs, constant(1.0), (r,), ("router",)) if layer > 0
+                          else nnx.Param(jnp.ones((r,), PARAM_DTYPE), logical_axes=("router",)))
         self.norm = RMSNorm(r, cfg.rms_norm_eps, "router", kernel=cfg.norm_kernel, rngs=rngs)
         self.fc1 = make_param(rngs, init, (r, r), ("router", "router_mlp"))
         self.fc1_bias = make_param(rngs, constant(0.0), (r,), ("router_mlp",))
@@ -53,9 +55,9 @@ class Router(nnx.Module):
     def __call__(self, x: jax.Array, prev_state: jax.Array | None,
                  layout: Layout = LOCAL) -> tuple[Routing, jax.Array]:
         """x: [..., H] normed tokens ([B, S, H] in the model); prev_state: the previous layer's
-        post-EDA router state [..., R]."""
+        post-EDA router state [..., R] (zeros or None before the first layer)."""
         state = x.astype(jnp.float32) @ self.down[...] + self.down_bias[...]
-        if self.eda_scale is not None and prev_state is not None:
+        if prev_state is not None:
             state = state + prev_state * self.eda_scale[...]
         hidden = self.norm(state, layout=layout)
         hidden = jax.nn.gelu(hidden @ self.fc1[...] + self.fc1_bias[...], approximate=False)

@@ -1,7 +1,9 @@
 """Model state as flat `path → array` maps: the bridge between NNX modules, Orbax and converters.
 
-Paths join NNX attribute names with '/', e.g. `layers/3/attn/wq`. Checkpoints store the nested
-form of the same paths (string keys), so the on-disk tree mirrors the module tree exactly.
+Paths join NNX attribute names with '/'. The module stores its blocks stacked (`layers/attn/wq`,
+[L, ...]; `model/layer_stack.py`); the model's interchange form, which Orbax model checkpoints,
+HF conversion and `zaya_jax.load` use, names each layer (`layers/3/attn/wq`). `expected_shapes`
+and `build_model` speak the per-layer form.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from flax import nnx
 
 from zaya_jax.config import ModelConfig
 from zaya_jax.errors import ZayaError
+from zaya_jax.model.layer_stack import per_layer, stack_entries
 
 
 def path_key(path: tuple) -> str:
@@ -35,29 +38,33 @@ def flat_arrays(model) -> dict[str, Any]:
     return {k: v.get_value() for k, v in flat_variables(model).items()}
 
 
-def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+def stacked_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """The module's own shapes (blocks stacked)."""
     return {k: tuple(v.shape) for k, v in flat_arrays(abstract_model(cfg)).items()}
 
 
+def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Per-layer names and shapes of the model's interchange form."""
+    return per_layer(stacked_shapes(cfg), cfg.num_hidden_layers, take=lambda shape, i: shape[1:])
+
+
 def build_model(cfg: ModelConfig, arrays: Mapping[str, Any], source: str = "checkpoint"):
-    """A concrete model whose every variable comes from `arrays` (checked for names and shapes)."""
-    graphdef, state = nnx.split(abstract_model(cfg))
-    flat = list(state.flat_state())
-    want = {path_key(p) for p, _ in flat}
-    missing = sorted(want - set(arrays))
-    unexpected = sorted(set(arrays) - want)
+    """A concrete model whose every variable comes from the per-layer `arrays` (checked for names and shapes)."""
+    want = expected_shapes(cfg)
+    missing = sorted(set(want) - set(arrays))
+    unexpected = sorted(set(arrays) - set(want))
     if missing:
         raise ZayaError(f"{source} is missing tensor {missing[0]!r} ({len(missing)} missing in all)")
     if unexpected:
         raise ZayaError(f"{source} has unexpected tensor {unexpected[0]!r} ({len(unexpected)} unexpected in all)")
-    filled = []
-    for path, var in flat:
-        key = path_key(path)
-        value = arrays[key]
-        if tuple(np.shape(value)) != tuple(var.get_value().shape):
+    for key, shape in want.items():
+        if tuple(np.shape(arrays[key])) != shape:
             raise ZayaError(
-                f"{source}: tensor {key!r} has shape {tuple(np.shape(value))}, the model config needs "
-                f"{tuple(var.get_value().shape)}; the checkpoint and config.json disagree"
+                f"{source}: tensor {key!r} has shape {tuple(np.shape(arrays[key]))}, the model config needs "
+                f"{shape}; the checkpoint and config.json disagree"
             )
-        filled.append((path, var.replace(jax.numpy.asarray(value, var.get_value().dtype))))
+    graphdef, state = nnx.split(abstract_model(cfg))
+    flat = list(state.flat_state())
+    stacked = stack_entries(arrays, {path_key(p): tuple(v.get_value().shape) for p, v in flat})
+    filled = [(p, v.replace(jax.numpy.asarray(stacked[path_key(p)], v.get_value().dtype))) for p, v in flat]
     return nnx.merge(graphdef, nnx.State.from_flat_path(filled))

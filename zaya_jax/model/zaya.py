@@ -3,7 +3,8 @@
 Residual stream in fp32; each block is
     r = (a + b1)·s1 + (h + b2)·s2  with a = CCA(RMSNorm(h))
     h = (m + b3)·s3 + (r + b4)·s4  with m = MoE(RMSNorm(r), ρ)
-and ρ, the router state, flows from layer to layer (EDA).
+and ρ, the router state, flows from layer to layer (EDA). The L blocks are stored stacked and
+run as one scan (`model/layer_stack.py`).
 """
 
 from __future__ import annotations
@@ -14,11 +15,11 @@ from flax import nnx
 
 from zaya_jax.config import ModelConfig
 from zaya_jax.model.cca import CCAttention, largest_shift
+from zaya_jax.model.layer_stack import run_blocks, stack_blocks
 from zaya_jax.model.layout import LOCAL, Layout
 from zaya_jax.model.moe import MoE
 from zaya_jax.model.norms import Affine, RMSNorm, ResidualMerge
 from zaya_jax.model.params import make_param, normal
-from zaya_jax.model.remat import block_runner
 from zaya_jax.model.segments import SequenceInfo, sequence_info
 
 
@@ -46,7 +47,7 @@ class Zaya(nnx.Module):
         self.embedding = make_param(rngs, normal(cfg.initializer_range), (cfg.vocab_size, cfg.hidden_size),
                                     ("vocab", "embed"))
         self.input_affine = Affine(cfg.hidden_size, rngs=rngs)
-        self.layers = nnx.List([Block(cfg, i, rngs=rngs) for i in range(cfg.num_hidden_layers)])
+        self.layers = stack_blocks([Block(cfg, i, rngs=rngs) for i in range(cfg.num_hidden_layers)])
         self.final_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, "embed", kernel=cfg.norm_kernel, rngs=rngs)
 
     @property
@@ -54,21 +55,23 @@ class Zaya(nnx.Module):
         return jnp.dtype(self.cfg.compute_dtype)
 
     def hidden_states(self, input_ids: jax.Array, segment_ids=None, positions=None, remat: str = "none",
-                      layout: Layout = LOCAL):
+                      layout: Layout = LOCAL, scan: bool = True):
         """Final-normed fp32 hidden states [B, S, H] and per-layer expert choices [L, B·S].
 
         `remat` names a policy of `model/remat.py` applied to each block (training memory);
-        `layout` runs the layers over devices (`model/layout.py`; default: here, one device).
+        `layout` runs the layers over devices (`model/layout.py`; default: here, one device);
+        `scan=False` unrolls the layer scan (debugging; same values).
         """
-        cfg = self.cfg
+        cfg, dtype = self.cfg, self.compute_dtype
         seq = sequence_info(input_ids.shape, segment_ids, positions, max_lag=largest_shift(cfg))
         h = self.input_affine(jnp.take(self.embedding[...], input_ids, axis=0))
-        router_state, choices = None, []
-        run = block_runner(remat, self.compute_dtype, layout)
-        for block in self.layers:
-            h, router_state, routing = run(block, h, router_state, seq)
-            choices.append(routing.expert.reshape(-1))
-        return self.final_norm(h, jnp.float32, layout), jnp.stack(choices)
+        no_router_state = jnp.zeros((*h.shape[:-1], cfg.router_hidden_size), jnp.float32)
+
+        def step(block, h, router_state):
+            return block(h, router_state, seq, dtype, layout)
+
+        h, choices = run_blocks(self.layers, h, no_router_state, step, remat=remat, scan=scan)
+        return self.final_norm(h, jnp.float32, layout), choices
 
     def logits(self, hidden: jax.Array) -> jax.Array:
         """Tied LM head in fp32."""

@@ -38,11 +38,10 @@ def balancer(lr: float, b1: float = 0.9, b2: float = 0.999) -> optax.GradientTra
     return optax.adam(lr, b1=b1, b2=b2)
 
 
-def update_biases(biases: dict, counts: jax.Array, keys: list[str], tx: optax.GradientTransformation,
+def update_biases(biases: dict, counts: jax.Array, key: str, tx: optax.GradientTransformation,
                   state: optax.OptState) -> tuple[dict, optax.OptState]:
-    """One balancing step: `keys` lists the bias paths in layer order (matching counts' rows)."""
-    err = load_error(counts)
-    grads = {k: err[i] for i, k in enumerate(keys)}
+    """One balancing step of `biases[key]`, the layers' biases stacked [L, E+1] like counts."""
+    grads = {key: load_error(counts)}
     updates, state = tx.update(grads, state, biases)
     return optax.apply_updates(biases, updates), state
 

@@ -25,6 +25,7 @@ from zaya_jax.errors import ZayaError
 from zaya_jax.experiment import Experiment
 from zaya_jax.kernels import xla_flags
 from zaya_jax.kernels.registry import describe as describe_kernel
+from zaya_jax.model import layer_stack
 from zaya_jax.parallel.mesh import BATCH_AXES
 from zaya_jax.train import compile_cache
 from zaya_jax.train import flops as flops_lib
@@ -87,12 +88,12 @@ def save_model(program: Program, state, path: str) -> None:
 
     arrays = {**state.params, **state.biases}
     layers = program.modeldef.cfg.num_hidden_layers
+    fetch = lambda value, i: np.asarray(jax.device_get(value[i]))  # noqa: E731  one layer's row
 
-    def groups():
-        yield {k: np.asarray(jax.device_get(v)) for k, v in arrays.items() if not k.startswith("layers/")}
+    def groups():  # the per-layer interchange form, one layer on the host at a time
+        yield {k: np.asarray(jax.device_get(v)) for k, v in arrays.items() if not layer_stack.is_stacked(k)}
         for i in range(layers):
-            prefix = f"layers/{i}/"
-            yield {k: np.asarray(jax.device_get(v)) for k, v in arrays.items() if k.startswith(prefix)}
+            yield layer_stack.layer_entries(arrays, i, fetch)
 
     tmp = path + ".saving"
     shutil.rmtree(tmp, ignore_errors=True)

@@ -1,7 +1,8 @@
 """The model as flat `path → array` dicts for training, and back to an NNX module inside a step.
 
 Training keeps parameters and balancing biases as plain dicts keyed by module path
-(`layers/3/attn/wq`): optimizer partitions, weight-decay masks and sharding rules are then
+(`embedding`, `layers/attn/wq` — the blocks stacked on a leading `layers` axis, see
+`model/layer_stack.py`): optimizer partitions, weight-decay masks and sharding rules are then
 simple functions of the path and of each parameter's logical axes. `ModelDef` remembers the
 module structure so the jitted step can rebuild the `Zaya` module from those dicts.
 """
@@ -38,9 +39,10 @@ class ModelDef:
         return {path_key(p): tuple(v.get_value().shape) for p, v in self.param_vars}
 
     @property
-    def bias_keys(self) -> list[str]:
-        """Balancing-bias paths in layer order."""
-        return [path_key(p) for p, _ in sorted(self.bias_vars, key=lambda pv: int(pv[0][1]))]
+    def bias_key(self) -> str:
+        """The path of the stacked balancing biases, [L, E+1]."""
+        (path, _), = self.bias_vars
+        return path_key(path)
 
     def merge(self, params: Arrays, biases: Arrays):
         """The Zaya module whose variables are these arrays (traceable inside jit)."""

@@ -18,6 +18,7 @@ import dataclasses
 import optax
 
 from zaya_jax.errors import ZayaError
+from zaya_jax.model.layer_stack import LAYER_AXIS
 from zaya_jax.train.muon import MatrixView, scale_by_muon
 
 
@@ -82,12 +83,22 @@ def learning_rate_schedule(optim, total_steps: int) -> optax.Schedule:
         decay_steps=schedule_steps(optim, total_steps), end_value=optim.min_lr)
 
 
-def build_optimizer(optim, total_steps: int, param_paths) -> tuple[optax.GradientTransformation, optax.Schedule]:
-    """optax transform for a flat `{path: array}` param dict, and its learning-rate schedule."""
-    rules = {path: rule_for(path) for path in param_paths}
+def stacked_view(view: MatrixView, axes: tuple[str, ...] | None) -> MatrixView:
+    """The view of a parameter whose leading logical axes are `layers` (stacked blocks): one
+    batch axis more per stacking axis, so each layer's matrices are orthogonalised on their own."""
+    lead = 0
+    while axes and lead < len(axes) and axes[lead] == LAYER_AXIS:
+        lead += 1
+    return dataclasses.replace(view, batch_axes=view.batch_axes + lead)
+
+
+def build_optimizer(optim, total_steps: int, param_axes) -> tuple[optax.GradientTransformation, optax.Schedule]:
+    """optax transform for a flat `{path: array}` param dict, given `{path: logical axes}`, and
+    its learning-rate schedule."""
+    rules = {path: rule_for(path) for path in param_axes}
     labels = {path: rule.optimizer for path, rule in rules.items()}
     decay_mask = {path: rule.decay for path, rule in rules.items()}
-    views = {path: rule.view for path, rule in rules.items() if rule.optimizer == "muon"}
+    views = {path: stacked_view(rule.view, param_axes[path]) for path, rule in rules.items() if rule.optimizer == "muon"}
     schedule = learning_rate_schedule(optim, total_steps)
     muon = optax.chain(
         scale_by_muon(views, optim.muon_momentum, optim.muon_nesterov, optim.muon_ns_steps, optim.muon_rms),

@@ -27,7 +27,7 @@ BATCH_KEYS = ("inputs", "targets", "segment_ids", "positions", "loss_mask")
 class TrainState:
     step: jax.Array  # int32 scalar: optimizer steps taken
     params: dict[str, jax.Array]
-    biases: dict[str, jax.Array]  # balancing biases, [E+1] per layer, moved by the balancer only
+    biases: dict[str, jax.Array]  # balancing biases, [L, E+1], moved by the balancer only
     opt_state: Any
     balance_state: Any
 
@@ -39,6 +39,7 @@ jax.tree_util.register_dataclass(
 @dataclasses.dataclass(frozen=True)
 class StepConfig:
     remat: str = "none"
+    scan_layers: bool = True  # False: the blocks unrolled (debugging; same values, compile grows with depth)
     vocab_chunk: int = 16384
     layout: Layout = LOCAL  # how the layers run over the program's devices (the program picks it)
 
@@ -47,7 +48,7 @@ def batch_sums(modeldef: ModelDef, params, biases, batch, cfg: StepConfig):
     """Summed token loss, counted tokens and expert counts [L, E+1] for one micro-batch."""
     model = modeldef.merge(params, biases)
     hidden, choices = model.hidden_states(batch["inputs"], batch["segment_ids"], batch["positions"],
-                                          remat=cfg.remat, layout=cfg.layout)
+                                          remat=cfg.remat, layout=cfg.layout, scan=cfg.scan_layers)
     tokens = hidden.shape[0] * hidden.shape[1]
     per_token = chunked_cross_entropy(hidden.reshape(tokens, -1), params["embedding"],
                                       batch["targets"].reshape(tokens), chunk_size=cfg.vocab_chunk)
@@ -76,7 +77,7 @@ def accumulate_gradients(modeldef, params, biases, batches, cfg: StepConfig):
 def make_train_step(modeldef: ModelDef, tx: optax.GradientTransformation, balance_tx: optax.GradientTransformation,
                     schedule: Callable, cfg: StepConfig):
     """`train_step(state, batches) -> (state, metrics)`; `batches` leaves are [A, b, S]."""
-    bias_keys = modeldef.bias_keys
+    bias_key = modeldef.bias_key
 
     def train_step(state: TrainState, batches):
         grads, loss_sum, ntok, counts = accumulate_gradients(modeldef, state.params, state.biases, batches, cfg)
@@ -84,7 +85,7 @@ def make_train_step(modeldef: ModelDef, tx: optax.GradientTransformation, balanc
         grads = jax.tree.map(lambda g: g / denom, grads)
         updates, opt_state = tx.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
-        biases, balance_state = balancing.update_biases(state.biases, counts, bias_keys, balance_tx,
+        biases, balance_state = balancing.update_biases(state.biases, counts, bias_key, balance_tx,
                                                         state.balance_state)
         metrics = {"loss": loss_sum / denom, "grad_norm": optax.global_norm(grads), "lr": schedule(state.step),
                    "tokens": ntok, "expert_load": balancing.load_fractions(counts), **balancing.load_summary(counts)}
