@@ -110,6 +110,10 @@ def test_checkpoint_errors_exit_2_with_one_line_and_keep_the_checkpoint(tmp_path
                        "--config.model.hidden_size=64")
     _assert_clean_error(other_shape, "different model: model.hidden_size is 128 there but 64")
     manifest = workdir / "checkpoints" / "4" / "meta" / "metadata"
+    meta = json.loads(manifest.read_text())
+    manifest.write_text(json.dumps({**meta, "version": 1}))  # as written before the scanned layers
+    _assert_clean_error(zaya("train", f"--config={TINY}", f"--workdir={workdir}", *QUICK, "--config.train.steps=6"),
+                        "was written by an older zaya-jax (one array per layer")
     manifest.write_bytes(b"{not json")
     _assert_clean_error(zaya("train", f"--config={TINY}", f"--workdir={workdir}", *QUICK, "--config.train.steps=6"),
                         str(workdir / "checkpoints" / "4"))

@@ -31,7 +31,7 @@ from zaya_jax.config import COMPUTE_FIELDS
 from zaya_jax.data.pipeline import DataSettings
 from zaya_jax.errors import ZayaError
 
-_META_VERSION = 1
+_META_VERSION = 2  # 2: block weights stacked on a leading layer axis (the scanned layers)
 
 
 @dataclasses.dataclass
@@ -121,7 +121,11 @@ class RunCheckpoints:
             restored = self._manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))
         except Exception as e:  # noqa: BLE001 — any failure here means the checkpoint is unreadable
             raise _damaged(self.step_dir(step), e) from None
-        if not isinstance(restored.meta, dict) or restored.meta.get("version") != _META_VERSION:
+        version = restored.meta.get("version") if isinstance(restored.meta, dict) else None
+        if version == 1:
+            raise ZayaError(f"checkpoint {self.step_dir(step)} was written by an older zaya-jax (one array per "
+                            "layer, before the scanned layers); resume it with that version, or use a fresh --workdir")
+        if version != _META_VERSION:
             raise ZayaError(f"checkpoint {self.step_dir(step)} has no zaya-jax metadata; it was not written by "
                             "`zaya train` (or by another version): use a fresh --workdir")
         return restored.meta
