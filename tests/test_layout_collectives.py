@@ -89,11 +89,11 @@ def test_tsp_attention_gathers_one_bucket_at_a_time_and_never_all_reduces_activa
     buckets = CFG.num_key_value_heads  # one KV group per bucket
     written, compiled, _ = _collectives(_attention(mesh), attn, x, ints, ints)
     # Per bucket: wq, wk, wv, wo and the two grouped-conv slices, then K and V; once: the keys'
-    # segment ids. The halo: x, segment ids and positions from the previous chunk.
+    # segment ids. The look-back rows: x, segment ids and positions from the previous chunk.
     assert written == {"all_gather": buckets * (6 + 2) + 1, "collective_permute": 3}
     assert "all_reduce" not in compiled
     written, compiled, reduced = _collectives(_grad(_attention(mesh), (0, 1)), attn, x, ints, ints)
-    # The backward adds the transposes: a reduce-scatter per float all-gather, the x halo's
+    # The backward adds the transposes: a reduce-scatter per float all-gather, the x look-back rows'
     # reverse permute, and the gradient sums of the 4 replicated small weights (combined by XLA).
     assert written["reduce_scatter"] == buckets * (6 + 2) and written["collective_permute"] == 4
     assert written["all_reduce"] == 4 and compiled["all_reduce"] == 1

@@ -33,7 +33,7 @@ def _train() -> dict:
         seq_len=256,  # tokens per sequence
         grad_accum_steps=1,  # micro-batches per step; each holds global_batch_size / grad_accum_steps rows
         log_every=10,  # a metrics.jsonl line every N steps (and at the last step)
-        remat="none",  # per-block rematerialisation: none | full (save block inputs only) | dots
+        remat="none",  # per-block rematerialisation: none | full (save block inputs only) | dots | moe
         scan_layers=True,  # run the blocks as one scan (compile time flat in depth); False unrolls them (debugging)
         loss_vocab_chunk=16384,  # vocabulary chunk of the cross-entropy; [tokens, chunk] logits at a time
         hardware="auto",  # peak-FLOPs profile for MFU: auto | mi300x | mi325x | mi355x | h100 | h200 | cpu

@@ -7,6 +7,7 @@ counted tensor by tensor for one CCA + MoE block (Korthikanti-style, `reference/
 * none: every block keeps all its activations for the backward;
 * full: every block keeps its fp32 input and router state; one block at a time is recomputed;
 * dots: every block keeps its matmul outputs; the rest of one block is recomputed at a time.
+* moe: every block keeps its input and the MoE's sorted tokens and grouped-matmul outputs.
 
 The backward of the block being differentiated holds about as much again (its gradients). Added
 on top: the chunked loss ([tokens, chunk] fp32 logits, probabilities and their gradient, plus the
@@ -53,7 +54,7 @@ def attention_bytes(run: Run, s: Share) -> dict[str, float]:
     parts = {
         "input": cfg.hidden_size * F32 + cfg.hidden_size * b,  # residual in, normed copy
         "projections": qk * b + s.kv_heads * d * b,  # q, k and the two value halves
-        "conv": 3 * qk * b,  # conv input with halo, depthwise and grouped outputs
+        "conv": 3 * qk * b,  # conv input with its look-back rows, depthwise and grouped outputs
         "qk_norm_rope": 2 * qk * b + s.kv_heads * d * b,  # normed and rotated q, k; merged values
         "attention_out": s.heads * d * b + s.heads * F32 + cfg.hidden_size * b,  # o, logsumexp, o·Wo
         "merge": cfg.hidden_size * F32,
@@ -95,7 +96,15 @@ def stored_per_token(run: Run, s: Share) -> float:
         return layers * (run.cfg.hidden_size + run.cfg.router_hidden_size) * F32
     if run.remat == "dots":
         return layers * matmul_outputs_bytes(run, s)
+    if run.remat == "moe":
+        return layers * ((run.cfg.hidden_size + run.cfg.router_hidden_size) * F32 + moe_saved_bytes(run, s))
     return layers * block_bytes_per_token(run, s)
+
+
+def moe_saved_bytes(run: Run, s: Share) -> float:
+    """Per token, what the `moe` policy names: the sorted rows, the fp32 gate, up and down outputs."""
+    cfg = run.cfg
+    return s.dispatch * (cfg.hidden_size * run.compute_bytes + (2 * s.expert_width + cfg.hidden_size) * F32)
 
 
 def loss_bytes(run: Run, tokens: float) -> float:

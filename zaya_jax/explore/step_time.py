@@ -3,7 +3,7 @@
 Compute: the device's hardware FLOPs (the model's training FLOPs for its tokens, the parts a
 `tensor` group repeats on every member — router, LM head — counted on each, plus the
 recomputation the remat policy adds: a block forward under `full`, the attention core under
-`dots`, and the chunked loss's logits always) over `peak × compute_efficiency`.
+`dots`, a block forward but its experts' matmuls under `moe`, and the chunked loss's logits always) over `peak × compute_efficiency`.
 
 Communication: per axis, the bytes each collective of our schedules moves (`transfers`),
 priced on the links the axis crosses (`collectives.Network`). FSDP's weight gathers, the
@@ -65,6 +65,8 @@ def hardware_flops(run: Run, sizes: dict[str, int], s: Share) -> float:
         per_token += block_fwd
     elif run.remat == "dots":
         per_token += core
+    elif run.remat == "moe":  # all but the experts' matmuls
+        per_token += block_fwd - cfg.num_hidden_layers * 2 * flops.expert_params(cfg) / t
     return per_token * s.tokens * run.grad_accum
 
 

@@ -53,13 +53,13 @@ def l2_normalize(x: jax.Array, scale: float) -> jax.Array:
 
 
 def look_back(cfg: ModelConfig) -> int:
-    """Tokens before t that the layer reads at t: the two convolutions in series, and at least the
-    delayed value's one (a sequence shard's halo)."""
+    """CCA's look-back: the tokens before t that the layer reads at t (the two convolutions in
+    series, and at least the delayed value's one); a sequence shard borrows this many rows."""
     return max(cfg.cca_time0 - 1 + cfg.cca_time1 - 1, 1)
 
 
-def largest_shift(cfg: ModelConfig) -> int:
-    """The largest single shift the layer takes (the lags its "same document" masks cover)."""
+def max_lag(cfg: ModelConfig) -> int:
+    """The longest single shift the layer takes, ≤ the look-back (the lags its "same document" masks cover)."""
     return max(cfg.cca_time0, cfg.cca_time1, 2) - 1
 
 
@@ -163,7 +163,7 @@ def project(x: jax.Array, w: dict[str, jax.Array], seq: SequenceInfo, cfg: Model
     """q, k [B, S, n, d] in x's dtype and v [B, S, nk, d] for the KV groups `w` holds, the first
     of which is group `first_group` of the layer (it decides which value columns are delayed).
 
-    The first `drop` rows are context only (a sequence shard's halo): they feed the convolutions
+    The first `drop` rows are context only (a sequence shard's look-back rows): they feed the convolutions
     and the delayed values and are cut before the norms.
     """
     dt = x.dtype

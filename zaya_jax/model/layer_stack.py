@@ -33,16 +33,15 @@ INERT_IN_LAYER_0 = ("moe/router/eda_scale",)  # present in the stack, absent fro
 INERT_VALUE = 1.0
 
 
-def stack_blocks(blocks: Sequence[nnx.Module]) -> nnx.Module:
-    """One module of `blocks[0]`'s structure whose variables hold every block's, stacked on axis 0."""
-    graphdef, _ = nnx.split(blocks[0])
-    flats = [list(nnx.state(block).flat_state()) for block in blocks]
+def init_stack(make_block: Callable[[nnx.Rngs], nnx.Module], key: jax.Array, layers: int) -> nnx.Module:
+    """`layers` blocks from `make_block(rngs)`, one key each, initialised by one vmapped trace (the
+    init's cost does not grow with depth) into one module whose variables lead with `layers`."""
+    graphdef, _ = nnx.split(nnx.eval_shape(lambda: make_block(nnx.Rngs(0))))
+    state = jax.vmap(lambda k: nnx.state(make_block(nnx.Rngs(k))))(jax.random.split(key, layers))
     stacked = []
-    for i, (path, var) in enumerate(flats[0]):
-        value = jnp.stack([flat[i][1].get_value() for flat in flats])
+    for path, var in state.flat_state():
         axes = logical_axes(var)
-        meta = {} if axes is None else {"logical_axes": (LAYER_AXIS, *axes)}
-        stacked.append((path, var.replace(value, **meta)))
+        stacked.append((path, var if axes is None else var.replace(var.get_value(), logical_axes=(LAYER_AXIS, *axes))))
     return nnx.merge(graphdef, nnx.State.from_flat_path(stacked))
 
 

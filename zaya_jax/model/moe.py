@@ -12,6 +12,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
 
 from zaya_jax import kernels
 from zaya_jax.config import ModelConfig
@@ -47,7 +48,7 @@ def by_expert(x, expert, weight, num_experts: int, experts_fn):
     router weight; [T, H] in x's dtype. Skip-class tokens sort past every group."""
     order = jnp.argsort(expert, stable=True)
     sizes = jnp.bincount(expert, length=num_experts + 1)[:num_experts].astype(jnp.int32)
-    out = experts_fn(x[order], sizes) * weight[order][:, None]
+    out = experts_fn(checkpoint_name(x[order], "moe_dispatch"), sizes) * weight[order][:, None]
     return jnp.zeros_like(out).at[order].set(out).astype(x.dtype)
 
 
@@ -55,16 +56,17 @@ def grouped_swiglu(xs, sizes, gate, up, down, backend):
     """down(silu(gate xs) ⊙ up xs) per expert group of the sorted rows xs, fp32 [T, H]; rows past
     the groups are 0. Also the per-slice step of the TSP experts ring (any slice of the width)."""
 
-    def matmul(rows, w):
-        return kernels.grouped_matmul(rows, w, sizes, preferred_element_type=jnp.float32, backend=backend)
+    def matmul(rows, w, name):  # named for the `moe` remat policy (model/remat.py)
+        out = kernels.grouped_matmul(rows, w, sizes, preferred_element_type=jnp.float32, backend=backend)
+        return checkpoint_name(out, name)
 
-    hidden = (jax.nn.silu(matmul(xs, gate)) * matmul(xs, up)).astype(xs.dtype)
-    return matmul(hidden, down)
+    hidden = (jax.nn.silu(matmul(xs, gate, "moe_gate")) * matmul(xs, up, "moe_up")).astype(xs.dtype)
+    return matmul(hidden, down, "moe_down")
 
 
 class MoE(nnx.Module):
-    def __init__(self, cfg: ModelConfig, layer: int, *, rngs: nnx.Rngs):
-        self.router = Router(cfg, layer, rngs=rngs)
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+        self.router = Router(cfg, rngs=rngs)
         self.experts = Experts(cfg, rngs=rngs)
 
     def __call__(self, x: jax.Array, prev_state: jax.Array | None,

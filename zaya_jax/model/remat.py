@@ -2,7 +2,10 @@
 
 `none` keeps every activation for the backward; `full` keeps only each block's inputs and
 recomputes the block in the backward (least memory); `dots` also keeps the outputs of the plain
-matmuls (projections) and recomputes the rest (attention core, convs, norms, experts).
+matmuls (projections) and recomputes the rest (attention core, convs, norms, experts); `moe`
+keeps the named MoE tensors — the tokens sorted by expert and the grouped matmuls' outputs
+(`MOE_SAVED`, tagged in `model/moe.py`) — and recomputes the rest (attention, router, norms):
+the experts' matmuls, most of a block's FLOPs, are not run twice.
 
 The policy wraps the body of the layer scan (`model/layer_stack.py`). Inside a scan JAX needs
 no CSE barrier (`prevent_cse=False`, the cheaper program); an unrolled stack keeps the barrier,
@@ -15,10 +18,13 @@ from typing import Callable
 
 import jax
 
+MOE_SAVED = ("moe_dispatch", "moe_gate", "moe_up", "moe_down")
+
 REMAT_POLICIES = {
     "none": None,
     "full": jax.checkpoint_policies.nothing_saveable,
     "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+    "moe": jax.checkpoint_policies.save_only_these_names(*MOE_SAVED),
 }
 
 

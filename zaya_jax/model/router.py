@@ -16,7 +16,7 @@ from flax import nnx
 from zaya_jax.config import ModelConfig
 from zaya_jax.model.layout import LOCAL, Layout
 from zaya_jax.model.norms import RMSNorm
-from zaya_jax.model.params import PARAM_DTYPE, BalancingBias, constant, make_param, normal
+from zaya_jax.model.params import BalancingBias, constant, make_param, normal
 
 
 @dataclasses.dataclass(frozen=True)
@@ -35,15 +35,13 @@ def initial_balancing_biases(num_experts: int) -> jax.Array:
 
 
 class Router(nnx.Module):
-    def __init__(self, cfg: ModelConfig, layer: int, *, rngs: nnx.Rngs):
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
         h, r, classes = cfg.hidden_size, cfg.router_hidden_size, cfg.num_experts + 1
         init = normal(cfg.initializer_range)
         self.down = make_param(rngs, init, (h, r), ("embed", "router"))
         self.down_bias = make_param(rngs, constant(0.0), (r,), ("router",))
-        # HF has no router_states_scale in layer 0, whose incoming router state is zero: its scale
-        # is inert, made without drawing a key so every other weight's init stays as it was.
-        self.eda_scale = (make_param(rngs, constant(1.0), (r,), ("router",)) if layer > 0
-                          else nnx.Param(jnp.ones((r,), PARAM_DTYPE), logical_axes=("router",)))
+        # Layer 0's incoming router state is zero, so its scale is inert (HF has none in layer 0).
+        self.eda_scale = make_param(rngs, constant(1.0), (r,), ("router",))
         self.norm = RMSNorm(r, cfg.rms_norm_eps, "router", kernel=cfg.norm_kernel, rngs=rngs)
         self.fc1 = make_param(rngs, init, (r, r), ("router", "router_mlp"))
         self.fc1_bias = make_param(rngs, constant(0.0), (r,), ("router_mlp",))

@@ -43,7 +43,7 @@ def sequence_info(
     """Build the masks for lags 0..max_lag once per forward; every layer shares them.
 
     `index` (int32 [S]) is each column's place in the whole sequence when the rows are a shard of
-    it (with halo rows in front); token t-j exists where index - j >= 0. Default 0..S-1.
+    it (with look-back rows in front); token t-j exists where index - j >= 0. Default 0..S-1.
     """
     batch, seq = shape
     idx = jnp.arange(seq, dtype=jnp.int32) if index is None else index

@@ -14,8 +14,8 @@ import jax.numpy as jnp
 from flax import nnx
 
 from zaya_jax.config import ModelConfig
-from zaya_jax.model.cca import CCAttention, largest_shift
-from zaya_jax.model.layer_stack import run_blocks, stack_blocks
+from zaya_jax.model.cca import CCAttention, max_lag
+from zaya_jax.model.layer_stack import init_stack, run_blocks
 from zaya_jax.model.layout import LOCAL, Layout
 from zaya_jax.model.moe import MoE
 from zaya_jax.model.norms import Affine, RMSNorm, ResidualMerge
@@ -24,12 +24,12 @@ from zaya_jax.model.segments import SequenceInfo, sequence_info
 
 
 class Block(nnx.Module):
-    def __init__(self, cfg: ModelConfig, layer: int, *, rngs: nnx.Rngs):
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
         self.attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, "embed", kernel=cfg.norm_kernel, rngs=rngs)
         self.attn = CCAttention(cfg, rngs=rngs)
         self.attn_merge = ResidualMerge(cfg.hidden_size, rngs=rngs)
         self.mlp_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, "embed", kernel=cfg.norm_kernel, rngs=rngs)
-        self.moe = MoE(cfg, layer, rngs=rngs)
+        self.moe = MoE(cfg, rngs=rngs)
         self.mlp_merge = ResidualMerge(cfg.hidden_size, rngs=rngs)
 
     def __call__(self, h: jax.Array, router_state, seq: SequenceInfo, dtype, layout: Layout = LOCAL):
@@ -47,7 +47,7 @@ class Zaya(nnx.Module):
         self.embedding = make_param(rngs, normal(cfg.initializer_range), (cfg.vocab_size, cfg.hidden_size),
                                     ("vocab", "embed"))
         self.input_affine = Affine(cfg.hidden_size, rngs=rngs)
-        self.layers = stack_blocks([Block(cfg, i, rngs=rngs) for i in range(cfg.num_hidden_layers)])
+        self.layers = init_stack(lambda r: Block(cfg, rngs=r), rngs.params(), cfg.num_hidden_layers)
         self.final_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, "embed", kernel=cfg.norm_kernel, rngs=rngs)
 
     @property
@@ -63,7 +63,7 @@ class Zaya(nnx.Module):
         `scan=False` unrolls the layer scan (debugging; same values).
         """
         cfg, dtype = self.cfg, self.compute_dtype
-        seq = sequence_info(input_ids.shape, segment_ids, positions, max_lag=largest_shift(cfg))
+        seq = sequence_info(input_ids.shape, segment_ids, positions, max_lag=max_lag(cfg))
         h = self.input_affine(jnp.take(self.embedding[...], input_ids, axis=0))
         no_router_state = jnp.zeros((*h.shape[:-1], cfg.router_hidden_size), jnp.float32)
 

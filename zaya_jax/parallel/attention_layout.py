@@ -5,8 +5,8 @@ Each device holds activations [B/batch, S/(tsp·sequence), H] (contiguous sequen
 
 - **Halo.** CCA's convolutions look (t0-1)+(t1-1) tokens back and the delayed values one token
   back, so each device takes the last rows of the previous chunk's input from its neighbour
-  (one `ppermute` of x, segment ids and positions), runs the layer on [halo ‖ chunk] and drops
-  the halo rows. The first chunk's halo lies before the sequence and is masked as such.
+  (one `ppermute` of x, segment ids and positions), runs the layer on [look-back rows ‖ chunk] and drops
+  the look-back rows. The first chunk's look-back lies before the sequence and is masked as such.
 - **Sequence (context) parallel.** K and V of every device are all-gathered along the sequence
   (tiled, in chunk order) and the local queries attend with a causal mask offset by the chunk's
   place; segment ids are gathered once per layer for the packed-document mask.
@@ -21,7 +21,7 @@ Each device holds activations [B/batch, S/(tsp·sequence), H] (contiguous sequen
 - **fsdp** shards arrive gathered at the `shard_map` boundary (GSPMD inserts the all-gather).
 
 Autodiff gives the backward: all-gathers transpose to reduce-scatters (weight gradients to
-their owners, dK/dV to the chunk that made them), the halo `ppermute` to the reverse one.
+their owners, dK/dV to the chunk that made them), the look-back `ppermute` to the reverse one.
 """
 
 from __future__ import annotations
@@ -67,8 +67,8 @@ def _local_cca(x, segment_ids, positions, params, *, cfg, specs):
     seq_axes = tuple(a for a in SEQUENCE_AXES if axis_size(a) > 1)
     chunk = x.shape[1]
     rank = jax.lax.axis_index(seq_axes) if seq_axes else 0
-    x, info, halo = _with_halo(x, segment_ids, positions, cfg, seq_axes, rank)
-    local_segments = info.segment_ids[:, halo:]
+    x, info, look_back = _with_look_back(x, segment_ids, positions, cfg, seq_axes, rank)
+    local_segments = info.segment_ids[:, look_back:]
     key_segments = jax.lax.all_gather(local_segments, seq_axes, axis=1, tiled=True) if seq_axes else None
 
     def attend(q, k, v):
@@ -82,7 +82,7 @@ def _local_cca(x, segment_ids, positions, params, *, cfg, specs):
     out = jnp.zeros((x.shape[0], chunk, x.shape[2]), jnp.float32)
     for start in range(0, groups, bucket):
         wb = _gather_bucket(cca_math.select_groups(w, start, bucket, cfg), specs)
-        attn = attend(*cca_math.project(x, wb, info, cfg, first + start, drop=halo))
+        attn = attend(*cca_math.project(x, wb, info, cfg, first + start, drop=look_back))
         out = out + jnp.einsum("bsnd,ndh->bsh", attn, wb["wo"], preferred_element_type=jnp.float32)
     if axis_size("tensor") > 1:
         out = jax.lax.psum(out, "tensor")
@@ -102,16 +102,16 @@ def _offset_attention(q, k, v, segments, key_segments, rank, chunk, backend):
     return jax.lax.switch(rank, [lambda r=r: at(r * chunk) for r in range(chunks)])
 
 
-def _with_halo(x, segment_ids, positions, cfg, seq_axes, rank):
+def _with_look_back(x, segment_ids, positions, cfg, seq_axes, rank):
     """[previous chunk's last rows ‖ this chunk] of x, and its SequenceInfo with global indices
-    (the first chunk's halo lies before the sequence: nothing looks back into it)."""
+    (the first chunk's look-back rows lie before the sequence: nothing looks back into it)."""
     chunk = x.shape[1]
-    halo = cca_math.look_back(cfg) if seq_axes else 0
+    look_back = cca_math.look_back(cfg) if seq_axes else 0
     if seq_axes:
-        x, segment_ids, positions = (jnp.concatenate([_from_previous(a[:, -halo:], seq_axes), a], axis=1)
+        x, segment_ids, positions = (jnp.concatenate([_from_previous(a[:, -look_back:], seq_axes), a], axis=1)
                                      for a in (x, segment_ids, positions))
-    index = rank * chunk - halo + jnp.arange(chunk + halo, dtype=jnp.int32)
-    return x, sequence_info(x.shape[:2], segment_ids, positions, cca_math.largest_shift(cfg), index), halo
+    index = rank * chunk - look_back + jnp.arange(chunk + look_back, dtype=jnp.int32)
+    return x, sequence_info(x.shape[:2], segment_ids, positions, cca_math.max_lag(cfg), index), look_back
 
 
 def _tracks_vma(cfg) -> bool:

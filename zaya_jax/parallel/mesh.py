@@ -54,7 +54,7 @@ def _first_problem(sizes, model: ModelConfig, micro_batch: int, seq_len: int) ->
     readers = math.prod(sizes[a] for a in BATCH_AXES)
     chunks = math.prod(sizes[a] for a in SEQUENCE_AXES)
     tsp, tensor = sizes["tsp"], sizes["tensor"]
-    halo = look_back(model)
+    rows = look_back(model)
     checks = [
         (micro_batch % readers == 0,
          f"each micro-batch has {micro_batch} sequences (train.global_batch_size / train.grad_accum_steps), "
@@ -77,9 +77,9 @@ def _first_problem(sizes, model: ModelConfig, micro_batch: int, seq_len: int) ->
         (seq_len % chunks == 0,
          f"train.seq_len ({seq_len}) is not divisible by mesh.tsp x mesh.sequence ({chunks}), "
          "the number of chunks each sequence is cut into"),
-        (chunks == 1 or seq_len // chunks >= halo,
+        (chunks == 1 or seq_len // chunks >= rows,
          f"train.seq_len / (mesh.tsp x mesh.sequence) = {seq_len // chunks} tokens per chunk is shorter than "
-         f"CCA's look-back of {halo} tokens; use fewer sequence chunks or longer sequences"),
+         f"CCA's look-back of {rows} tokens; use fewer sequence chunks or longer sequences"),
         (chunks == 1 or model.attention_kernel != "cudnn",
          "model.attention_kernel=cudnn takes no causal offset for sequence-sharded queries (mesh.tsp or "
          "mesh.sequence > 1); use model.attention_kernel=pallas or xla"),

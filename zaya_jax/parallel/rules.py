@@ -21,6 +21,7 @@ from __future__ import annotations
 
 from typing import Iterable
 
+import jax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 RULES: dict[str, tuple[str, ...]] = {
@@ -32,6 +33,8 @@ RULES: dict[str, tuple[str, ...]] = {
     "kv_heads": ("tensor",),
     "head_dim_out": ("tsp",),
     "embed": ("fsdp", "tsp"),
+    # Muon's whole matrices (one per layer, expert...) are independent: spread them over every device.
+    "matrices": ("data", "fsdp", "expert", "tsp", "tensor", "sequence"),
 }
 
 
@@ -79,3 +82,13 @@ def keep_axes(spec: PartitionSpec, keep: Iterable[str]) -> PartitionSpec:
 
 def named_sharding(logical_axes, mesh: Mesh, shape=None) -> NamedSharding:
     return NamedSharding(mesh, partition_spec(logical_axes, mesh, shape))
+
+
+def spread_matrices(mesh: Mesh):
+    """`place(batch)`: a [matrices, m, n] batch laid out by the `matrices` rule (whole matrices per
+    device), for Muon's Newton–Schulz."""
+
+    def place(batch):
+        return jax.lax.with_sharding_constraint(batch, named_sharding(("matrices", None, None), mesh, batch.shape))
+
+    return place

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import NamedTuple
+from typing import Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -48,10 +48,17 @@ def newton_schulz(g: jax.Array, steps: int = 5, eps: float = 1e-7) -> jax.Array:
     return x if wide else jnp.swapaxes(x, -1, -2)
 
 
-def orthogonal_update(m: jax.Array, view: MatrixView, steps: int, rms: float) -> jax.Array:
+def orthogonal_update(m: jax.Array, view: MatrixView, steps: int, rms: float,
+                      spread: Callable[[jax.Array], jax.Array] | None = None) -> jax.Array:
+    """The Muon direction of `m`. `spread` places the [matrices, fan_in, fan_out] batch before the
+    Newton–Schulz iterations (the program spreads whole matrices over its devices, so each one
+    orthogonalises its share instead of every device gathering and orthogonalising them all)."""
     mats = view.to_matrices(m.astype(jnp.float32))
     scale = rms * math.sqrt(max(mats.shape[-2], mats.shape[-1]))
-    return (newton_schulz(mats, steps) * scale).reshape(m.shape).astype(m.dtype)
+    batch = mats.reshape(-1, *mats.shape[-2:])
+    if spread is not None:
+        batch = spread(batch)
+    return (newton_schulz(batch, steps) * scale).reshape(m.shape).astype(m.dtype)
 
 
 class MuonState(NamedTuple):
@@ -59,7 +66,7 @@ class MuonState(NamedTuple):
 
 
 def scale_by_muon(views: dict[str, MatrixView], momentum: float = 0.95, nesterov: bool = True,
-                  ns_steps: int = 5, rms: float = 0.2) -> optax.GradientTransformation:
+                  ns_steps: int = 5, rms: float = 0.2, spread=None) -> optax.GradientTransformation:
     """Muon direction for a flat `{path: array}` tree; `views` gives each path's matrix view.
 
     Leaves that another transform owns (optax.multi_transform masks) are skipped by tree_map.
@@ -73,7 +80,7 @@ def scale_by_muon(views: dict[str, MatrixView], momentum: float = 0.95, nesterov
         direction = (jax.tree.map(lambda m, g: momentum * m + (1 - momentum) * g, new_m, updates)
                      if nesterov else new_m)
         out = jax.tree_util.tree_map_with_path(
-            lambda path, d: orthogonal_update(d, views[path[-1].key], ns_steps, rms), direction)
+            lambda path, d: orthogonal_update(d, views[path[-1].key], ns_steps, rms, spread), direction)
         return out, MuonState(new_m)
 
     return optax.GradientTransformation(init, update)

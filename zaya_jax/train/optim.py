@@ -92,16 +92,16 @@ def stacked_view(view: MatrixView, axes: tuple[str, ...] | None) -> MatrixView:
     return dataclasses.replace(view, batch_axes=view.batch_axes + lead)
 
 
-def build_optimizer(optim, total_steps: int, param_axes) -> tuple[optax.GradientTransformation, optax.Schedule]:
+def build_optimizer(optim, total_steps: int, param_axes, spread=None) -> tuple[optax.GradientTransformation, optax.Schedule]:
     """optax transform for a flat `{path: array}` param dict, given `{path: logical axes}`, and
-    its learning-rate schedule."""
+    its learning-rate schedule. `spread` places Muon's batches of matrices (see `muon.orthogonal_update`)."""
     rules = {path: rule_for(path) for path in param_axes}
     labels = {path: rule.optimizer for path, rule in rules.items()}
     decay_mask = {path: rule.decay for path, rule in rules.items()}
     views = {path: stacked_view(rule.view, param_axes[path]) for path, rule in rules.items() if rule.optimizer == "muon"}
     schedule = learning_rate_schedule(optim, total_steps)
     muon = optax.chain(
-        scale_by_muon(views, optim.muon_momentum, optim.muon_nesterov, optim.muon_ns_steps, optim.muon_rms),
+        scale_by_muon(views, optim.muon_momentum, optim.muon_nesterov, optim.muon_ns_steps, optim.muon_rms, spread),
         optax.add_decayed_weights(optim.weight_decay, mask=decay_mask),
         optax.scale_by_learning_rate(schedule),
     )

@@ -29,7 +29,7 @@ from zaya_jax.experiment import Experiment, load_experiment
 from zaya_jax.kernels.registry import device_target, resolve, targeting
 from zaya_jax.parallel.mesh import mesh_for
 from zaya_jax.parallel.mesh_layout import MESH
-from zaya_jax.parallel.rules import named_sharding
+from zaya_jax.parallel.rules import named_sharding, spread_matrices
 from zaya_jax.train import balancing
 from zaya_jax.train.model_state import ModelDef, init_arrays, model_def
 from zaya_jax.train.optim import build_optimizer
@@ -47,7 +47,8 @@ class Program:
     def __post_init__(self):
         c = self.exp.config
         self.target = self.target or self.devices_target
-        self.tx, self.schedule = build_optimizer(c.optim, c.train.steps, self.modeldef.param_axes)
+        self.tx, self.schedule = build_optimizer(c.optim, c.train.steps, self.modeldef.param_axes,
+                                                 spread=spread_matrices(self.mesh))
         self.balance_tx = balancing.balancer(c.optim.balance_lr, c.optim.balance_b1, c.optim.balance_b2)
         # The mesh's schedules run the layers; they look at which axes are split when traced.
         self.step_cfg = StepConfig(remat=c.train.remat, scan_layers=c.train.scan_layers,
