@@ -100,6 +100,7 @@ def test_bad_mixture_and_read_threads_are_one_line_errors(tmp_path):
     _assert_clean_error(zaya(*run, "--config.data.source=a.jsonl,b.jsonl", "--config.data.weights=1"),
                         "data.weights has 1 value(s) but data.source lists 2 source(s)")
     _assert_clean_error(zaya(*run, "--config.data.read_threads=0"), "data.read_threads must be at least 1")
+    _assert_clean_error(zaya(*run, "--config.train.scan_unroll=0"), "train.scan_unroll must be >= 1, got 0")
 
 
 def test_checkpoint_errors_exit_2_with_one_line_and_keep_the_checkpoint(tmp_path):

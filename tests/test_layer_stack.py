@@ -39,22 +39,24 @@ def test_the_scanned_forward_traces_one_block_whatever_the_depth():
     assert per_block > 50  # unrolled, each block is traced again
 
 
-@pytest.mark.parametrize("remat", ["none", "full", "dots"])
+@pytest.mark.parametrize("remat", ["none", "full", "dots", "moe"])
 def test_unrolled_layers_give_the_scanned_values_and_gradients(remat):
     m = model()
     graphdef, params, rest = nnx.split(m, nnx.Param, ...)
 
-    def loss(params, scan):
-        hidden, choices = nnx.merge(graphdef, params, rest).hidden_states(IDS, remat=remat, scan=scan)
+    def loss(params, scan, unroll):
+        hidden, choices = nnx.merge(graphdef, params, rest).hidden_states(IDS, remat=remat, scan=scan, unroll=unroll)
         return jnp.sum(hidden ** 2), choices
 
-    (value, choices), grads = jax.jit(jax.value_and_grad(loss, has_aux=True), static_argnums=1)(params, True)
-    (value_u, choices_u), grads_u = jax.jit(jax.value_and_grad(loss, has_aux=True), static_argnums=1)(params, False)
-    np.testing.assert_allclose(value, value_u, rtol=1e-6)
-    np.testing.assert_array_equal(choices, choices_u)
+    run = jax.jit(jax.value_and_grad(loss, has_aux=True), static_argnums=(1, 2))
+    (value, choices), grads = run(params, True, 1)
     assert choices.shape == (CFG.num_hidden_layers, IDS.size)
-    for (path, g), (_, g_u) in zip(grads.flat_state(), grads_u.flat_state()):
-        np.testing.assert_allclose(g.get_value(), g_u.get_value(), rtol=1e-4, atol=1e-7, err_msg=str(path))
+    for scan, unroll in ((False, 1), (True, 2)):  # unrolled; two blocks per iteration of three
+        (value_u, choices_u), grads_u = run(params, scan, unroll)
+        np.testing.assert_allclose(value, value_u, rtol=1e-6)
+        np.testing.assert_array_equal(choices, choices_u)
+        for (path, g), (_, g_u) in zip(grads.flat_state(), grads_u.flat_state()):
+            np.testing.assert_allclose(g.get_value(), g_u.get_value(), rtol=1e-4, atol=1e-7, err_msg=str(path))
 
 
 def test_layer_0_eda_scale_is_inert():

@@ -4,7 +4,8 @@ Every block variable is stacked along a leading logical axis named `layers` (the
 never splits it), so the training state holds one array per kind of weight (`layers/attn/wq`,
 [L, H, nq, d]) and the forward is one `lax.scan` whose body — one block, under the remat
 policy — is traced and compiled once, whatever the depth. `scan=False` runs the same body
-unrolled over the layers: for debugging, at a compile time that grows with depth.
+unrolled over the layers: for debugging, at a compile time that grows with depth. (`unroll`
+keeps the scan but compiles several blocks per iteration.)
 
 Layer 0 has no EDA: its incoming router state is zeros, so its row of the stacked `eda_scale`
 is inert (it stays 1.0 and its gradient is exactly 0) and has no place in the per-layer model
@@ -46,9 +47,13 @@ def init_stack(make_block: Callable[[nnx.Rngs], nnx.Module], key: jax.Array, lay
 
 
 def run_blocks(blocks: nnx.Module, h: jax.Array, first_router_state: jax.Array, step: Callable, *,
-               remat: str, scan: bool = True):
+               remat: str, scan: bool = True, unroll: int = 1):
     """Thread (h, router state) through every block of the stack: `step(block, h, router_state)`
-    → (h, router_state, routing). Returns h and the per-layer expert choices [L, tokens]."""
+    → (h, router_state, routing). Returns h and the per-layer expert choices [L, tokens].
+
+    `unroll` blocks run per scan iteration: the block is still traced once, XLA compiles that
+    many copies and may fuse across them (worth it for shallow models, where a loop iteration's
+    overhead shows)."""
     graphdef, state = nnx.split(blocks)
 
     def body(carry, layer):
@@ -59,7 +64,7 @@ def run_blocks(blocks: nnx.Module, h: jax.Array, first_router_state: jax.Array, 
     body = checkpointed(body, remat, in_scan=scan)
     carry = (h, first_router_state)
     if scan:
-        carry, choices = jax.lax.scan(body, carry, state)
+        carry, choices = jax.lax.scan(body, carry, state, unroll=unroll)
         return carry[0], choices
     choices = []
     for i in range(depth(state)):

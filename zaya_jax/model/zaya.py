@@ -55,12 +55,12 @@ class Zaya(nnx.Module):
         return jnp.dtype(self.cfg.compute_dtype)
 
     def hidden_states(self, input_ids: jax.Array, segment_ids=None, positions=None, remat: str = "none",
-                      layout: Layout = LOCAL, scan: bool = True):
+                      layout: Layout = LOCAL, scan: bool = True, unroll: int = 1):
         """Final-normed fp32 hidden states [B, S, H] and per-layer expert choices [L, B·S].
 
         `remat` names a policy of `model/remat.py` applied to each block (training memory);
         `layout` runs the layers over devices (`model/layout.py`; default: here, one device);
-        `scan=False` unrolls the layer scan (debugging; same values).
+        `scan=False` unrolls the layer scan (debugging; same values); `unroll` blocks per scan iteration.
         """
         cfg, dtype = self.cfg, self.compute_dtype
         seq = sequence_info(input_ids.shape, segment_ids, positions, max_lag=max_lag(cfg))
@@ -70,7 +70,7 @@ class Zaya(nnx.Module):
         def step(block, h, router_state):
             return block(h, router_state, seq, dtype, layout)
 
-        h, choices = run_blocks(self.layers, h, no_router_state, step, remat=remat, scan=scan)
+        h, choices = run_blocks(self.layers, h, no_router_state, step, remat=remat, scan=scan, unroll=unroll)
         return self.final_norm(h, jnp.float32, layout), choices
 
     def logits(self, hidden: jax.Array) -> jax.Array:

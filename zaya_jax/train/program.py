@@ -52,7 +52,7 @@ class Program:
         self.balance_tx = balancing.balancer(c.optim.balance_lr, c.optim.balance_b1, c.optim.balance_b2)
         # The mesh's schedules run the layers; they look at which axes are split when traced.
         self.step_cfg = StepConfig(remat=c.train.remat, scan_layers=c.train.scan_layers,
-                                   vocab_chunk=c.train.loss_vocab_chunk, layout=MESH)
+                                   scan_unroll=c.train.scan_unroll, vocab_chunk=c.train.loss_vocab_chunk, layout=MESH)
         self._abstract = jax.eval_shape(self._init)  # traced once: shardings and AOT compile share it
         self.state_shardings = self._state_shardings()
         self._train_step = None

@@ -40,6 +40,7 @@ jax.tree_util.register_dataclass(
 class StepConfig:
     remat: str = "none"
     scan_layers: bool = True  # False: the blocks unrolled (debugging; same values, compile grows with depth)
+    scan_unroll: int = 1  # blocks per scan iteration (XLA compiles that many copies)
     vocab_chunk: int = 16384
     layout: Layout = LOCAL  # how the layers run over the program's devices (the program picks it)
 
@@ -48,7 +49,8 @@ def batch_sums(modeldef: ModelDef, params, biases, batch, cfg: StepConfig):
     """Summed token loss, counted tokens and expert counts [L, E+1] for one micro-batch."""
     model = modeldef.merge(params, biases)
     hidden, choices = model.hidden_states(batch["inputs"], batch["segment_ids"], batch["positions"],
-                                          remat=cfg.remat, layout=cfg.layout, scan=cfg.scan_layers)
+                                          remat=cfg.remat, layout=cfg.layout, scan=cfg.scan_layers,
+                                          unroll=cfg.scan_unroll)
     tokens = hidden.shape[0] * hidden.shape[1]
     per_token = chunked_cross_entropy(hidden.reshape(tokens, -1), params["embedding"],
                                       batch["targets"].reshape(tokens), chunk_size=cfg.vocab_chunk)
