@@ -4,7 +4,7 @@ Nothing is allocated: `train/program.Program.compile_train_step` lowers the step
 the layout's shardings on (fake) local devices, and XLA's memory analysis gives per-device
 argument bytes (parameters, optimizer state, inputs: the prediction's exact part) and temporary
 bytes (activations, gradients, buffers: the modelled part). On CPU XLA's temporaries are a proxy
-for a GPU's: the CPU compiler keeps every block's activations whatever the remat policy.
+for a GPU's: the CPU compiler lowers `ragged_dot` densely and keeps more fp32 copies.
 """
 
 from __future__ import annotations
