@@ -18,7 +18,10 @@ from zaya_jax.train.program import build_program
 
 ACTIVATION_DOMINATED = ["--config.model.num_hidden_layers=4", "--config.model.hidden_size=512",
                         "--config.train.seq_len=512", "--config.model.max_position_embeddings=512",
-                        "--config.train.global_batch_size=8", "--config.model.attention_kernel=pallas"]
+                        "--config.train.global_batch_size=8", "--config.model.attention_kernel=pallas",
+                        # One block per scan iteration (tiny_cpu compiles 4): XLA's CPU scheduler
+                        # undoes remat in straight-line code, unrolled or several blocks per iteration.
+                        "--config.train.scan_unroll=1"]
 ONE_DEVICE = dict(data=1, fsdp=1, expert=1, tsp=1, tensor=1, sequence=1)
 
 

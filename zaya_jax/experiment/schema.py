@@ -35,7 +35,8 @@ def _train() -> dict:
         log_every=10,  # a metrics.jsonl line every N steps (and at the last step)
         remat="none",  # per-block rematerialisation: none | full (save block inputs only) | dots | moe
         scan_layers=True,  # run the blocks as one scan (compile time flat in depth); False unrolls them (debugging)
-        scan_unroll=1,  # blocks per scan iteration: XLA compiles this many copies (faster steps for shallow models)
+        scan_unroll=1,  # blocks per scan iteration: XLA compiles this many copies (faster steps for shallow
+        # models; on XLA CPU remat saves memory only at 1 block per iteration)
         loss_vocab_chunk=16384,  # vocabulary chunk of the cross-entropy; [tokens, chunk] logits at a time
         hardware="auto",  # peak-FLOPs profile for MFU: auto | mi300x | mi325x | mi355x | h100 | h200 | cpu
         progress=True,  # console progress bar

@@ -61,7 +61,7 @@ def run_blocks(blocks: nnx.Module, h: jax.Array, first_router_state: jax.Array, 
         h, router_state, routing = step(nnx.merge(graphdef, layer), h, router_state)
         return (h, router_state), routing.expert.reshape(-1)
 
-    body = checkpointed(body, remat, in_scan=scan)
+    body = checkpointed(body, remat, in_scan=scan and unroll == 1)  # unrolled copies need the CSE barrier
     carry = (h, first_router_state)
     if scan:
         carry, choices = jax.lax.scan(body, carry, state, unroll=unroll)
