@@ -93,12 +93,17 @@ def stored_per_token(run: Run, s: Share) -> float:
     """Per token, what all blocks keep until the backward under the remat policy."""
     layers = run.cfg.num_hidden_layers
     if run.remat == "full":
-        return layers * (run.cfg.hidden_size + run.cfg.router_hidden_size) * F32
+        return layers * block_input_bytes(run)
     if run.remat == "dots":
         return layers * matmul_outputs_bytes(run, s)
     if run.remat == "moe":
-        return layers * ((run.cfg.hidden_size + run.cfg.router_hidden_size) * F32 + moe_saved_bytes(run, s))
+        return layers * (block_input_bytes(run) + moe_saved_bytes(run, s))
     return layers * block_bytes_per_token(run, s)
+
+
+def block_input_bytes(run: Run) -> float:
+    """Per token, a block's input the layer scan carries: the fp32 residual row and router state."""
+    return (run.cfg.hidden_size + run.cfg.router_hidden_size) * F32
 
 
 def moe_saved_bytes(run: Run, s: Share) -> float:

@@ -81,6 +81,11 @@ def is_stacked(path: str) -> bool:
     return path.startswith(PREFIX)
 
 
+def _within_block(path: str) -> str:
+    """`layers/attn/wq` → `attn/wq`."""
+    return path[len(PREFIX):]
+
+
 def _inert(rest: str, layer: int) -> bool:
     return layer == 0 and rest in INERT_IN_LAYER_0
 
@@ -88,8 +93,9 @@ def _inert(rest: str, layer: int) -> bool:
 def layer_entries(stacked: Mapping[str, Any], layer: int, take: Callable = lambda value, i: value[i]) -> dict:
     """Layer `layer`'s per-layer entries `layers/{layer}/...` of a stacked flat map; `take(value, i)`
     cuts one layer out (an array's row by default; a shape's tail, a device fetch...)."""
-    return {f"{PREFIX}{layer}/{path[len(PREFIX):]}": take(value, layer)
-            for path, value in stacked.items() if is_stacked(path) and not _inert(path[len(PREFIX):], layer)}
+    rests = {path: _within_block(path) for path in stacked if is_stacked(path)}
+    return {f"{PREFIX}{layer}/{rest}": take(stacked[path], layer)
+            for path, rest in rests.items() if not _inert(rest, layer)}
 
 
 def per_layer(stacked: Mapping[str, Any], layers: int, take: Callable = lambda value, i: value[i]) -> dict:
@@ -108,7 +114,7 @@ def stack_entries(arrays: Mapping[str, Any], shapes: Mapping[str, tuple[int, ...
         if not is_stacked(path):
             out[path] = arrays[path]
             continue
-        rest = path[len(PREFIX):]
+        rest = _within_block(path)
         rows = [np.full(shape[1:], INERT_VALUE, np.float32) if _inert(rest, i) else np.asarray(arrays[f"{PREFIX}{i}/{rest}"])
                 for i in range(shape[0])]
         out[path] = np.stack(rows)

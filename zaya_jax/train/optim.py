@@ -84,12 +84,10 @@ def learning_rate_schedule(optim, total_steps: int) -> optax.Schedule:
 
 
 def stacked_view(view: MatrixView, axes: tuple[str, ...] | None) -> MatrixView:
-    """The view of a parameter whose leading logical axes are `layers` (stacked blocks): one
-    batch axis more per stacking axis, so each layer's matrices are orthogonalised on their own."""
-    lead = 0
-    while axes and lead < len(axes) and axes[lead] == LAYER_AXIS:
-        lead += 1
-    return dataclasses.replace(view, batch_axes=view.batch_axes + lead)
+    """The view of a parameter, one batch axis more when it leads with `layers` (stacked blocks),
+    so each layer's matrices are orthogonalised on their own."""
+    stacked = bool(axes) and axes[0] == LAYER_AXIS
+    return dataclasses.replace(view, batch_axes=view.batch_axes + int(stacked))
 
 
 def build_optimizer(optim, total_steps: int, param_axes, spread=None) -> tuple[optax.GradientTransformation, optax.Schedule]:
