@@ -20,6 +20,7 @@ from zaya_jax.data import (
     pack_documents,
     parse_mixture,
 )
+from zaya_jax.data.lanes import merge_states
 from zaya_jax.errors import ZayaError
 
 EOS, PAD = 2, 0
@@ -199,10 +200,10 @@ def _corpus(tmp_path, n=40, name="c.jsonl", tag="doc"):
     return _jsonl(tmp_path / name, texts), texts
 
 
-def _pipeline(source, seed=0, weights="", heldout=0.0, process=(0, 1), seq_len=32):
+def _pipeline(source, seed=0, weights="", heldout=0.0, lanes=4, seq_len=32):
     settings = DataSettings(source=source, weights=weights, seq_len=seq_len, seed=seed,
-                            heldout_fraction=heldout, read_threads=2)
-    return DataPipeline(settings, ByteTokenizer(), process_index=process[0], process_count=process[1])
+                            heldout_fraction=heldout, read_threads=2, lanes=lanes)
+    return DataPipeline(settings, ByteTokenizer())
 
 
 def _documents_in(batches, tok=ByteTokenizer()):
@@ -215,7 +216,7 @@ def _documents_in(batches, tok=ByteTokenizer()):
 
 def test_same_seed_same_batches_other_seed_other_order(tmp_path):
     source, _ = _corpus(tmp_path)
-    take = lambda p: [next(it) for it in [p.train_iterator(4)] for _ in range(12)]  # noqa: E731
+    take = lambda p: [next(it) for it in [p.train_iterator()] for _ in range(12)]  # noqa: E731
     a, b, c = take(_pipeline(source, seed=1)), take(_pipeline(source, seed=1)), take(_pipeline(source, seed=2))
     assert all(np.array_equal(x[k], y[k]) for x, y in zip(a, b) for k in x)
     assert not all(np.array_equal(x["inputs"], y["inputs"]) for x, y in zip(a, c))
@@ -226,8 +227,8 @@ def test_same_seed_same_batches_other_seed_other_order(tmp_path):
 def test_every_epoch_visits_each_document_once_in_a_new_order(tmp_path):
     source, texts = _corpus(tmp_path, n=30)
     tokens = sum(len(t) + 1 for t in texts)
-    it = _pipeline(source, seq_len=16).train_iterator(8)
-    batches = [next(it) for _ in range(-(-3 * tokens // (8 * 16)) + 2)]
+    it = _pipeline(source, seq_len=16, lanes=1).train_iterator()  # one lane: the whole global order
+    batches = [next(it) for _ in range(-(-3 * tokens // 16) + 16)]
     docs = _documents_in(batches)[:90]
     epochs = [docs[0:30], docs[30:60], docs[60:90]]
     for epoch in epochs:  # nothing dropped, duplicated or cut: every document whole, once
@@ -235,16 +236,52 @@ def test_every_epoch_visits_each_document_once_in_a_new_order(tmp_path):
     assert epochs[0] != epochs[1] != epochs[2]
 
 
-def test_processes_read_disjoint_shares_that_cover_the_corpus(tmp_path):
+def test_lanes_deal_the_global_order_so_an_epoch_covers_the_corpus_once(tmp_path):
     source, texts = _corpus(tmp_path, n=41)
+    pipe = _pipeline(source, seq_len=16, lanes=4)
     seen = []
-    for p in range(4):
-        pipe = _pipeline(source, process=(p, 4), seq_len=16)
-        share = len(pipe.splits[0][0][p::4])
-        it = pipe.train_iterator(2)
-        seen.append(set(_documents_in([next(it) for _ in range(40)])[:share]))
+    for lane in range(4):  # lane l reads documents l, l+4, ... of the epoch's order
+        share = len(range(lane, 41, 4))
+        it = pipe.train_iterator([lane])
+        seen.append(set(_documents_in([next(it) for _ in range(200)])[:share]))
     assert all(not (seen[i] & seen[j]) for i in range(4) for j in range(i + 1, 4))
     assert set().union(*seen) == set(texts)
+
+
+def test_a_process_reading_some_lanes_gets_exactly_those_rows_of_the_global_batch(tmp_path):
+    source, _ = _corpus(tmp_path)
+    full = _pipeline(source, lanes=8).train_iterator()
+    part = _pipeline(source, lanes=8).train_iterator([5, 2])
+    for _ in range(6):
+        whole, mine = next(full), next(part)
+        assert all(np.array_equal(whole[k][[5, 2]], mine[k]) for k in whole)
+
+
+@pytest.mark.parametrize("readers_after", [1, 4], ids=["2 readers resume as 1", "2 readers resume as 4"])
+def test_lane_states_saved_by_some_readers_resume_in_any_other_number(tmp_path, readers_after):
+    """Resharding the data: what 2 processes saved continues in 1 or 4, no row repeated or skipped."""
+    source, _ = _corpus(tmp_path, n=30)
+    uninterrupted = _pipeline(source, lanes=8).train_iterator()
+    expected = [next(uninterrupted) for _ in range(10)]
+    before = [_pipeline(source, lanes=8).train_iterator(lanes) for lanes in ([0, 1, 2, 3], [4, 5, 6, 7])]
+    first = [{k: np.concatenate([next(it)[k] for it in before]) for k in ("inputs",)} for _ in range(4)]
+    saved = merge_states([json.loads(json.dumps(it.get_state())) for it in before])
+    groups = np.array_split(np.arange(8), readers_after)
+    after = [_pipeline(source, lanes=8).train_iterator(g.tolist()) for g in groups]
+    for it in after:
+        it.set_state(saved)
+    rest = [{"inputs": np.concatenate([next(it)["inputs"] for it in after])} for _ in range(6)]
+    assert all(np.array_equal(x["inputs"], y["inputs"]) for x, y in zip(expected, first + rest))
+
+
+def test_lane_states_refuse_a_missing_lane_and_disagreeing_copies(tmp_path):
+    source, _ = _corpus(tmp_path)
+    a, b = (_pipeline(source, lanes=4).train_iterator([0, 1]) for _ in range(2))
+    next(a)
+    with pytest.raises(ZayaError, match="different states for data lane 0"):
+        merge_states([a.get_state(), b.get_state()])
+    with pytest.raises(ZayaError, match="no lane 3"):
+        _pipeline(source, lanes=4).train_iterator([3]).set_state(a.get_state())
 
 
 @pytest.mark.parametrize("mixture", [False, True], ids=["one source", "mixture"])
@@ -252,12 +289,12 @@ def test_iterator_state_resumes_mid_epoch_exactly(tmp_path, mixture):
     a, _ = _corpus(tmp_path, name="a.jsonl", tag="a")
     b, _ = _corpus(tmp_path, name="b.jsonl", tag="b", n=25)
     source, weights = (f"{a},{b}", "3,1") if mixture else (a, "")
-    it = _pipeline(source, weights=weights).train_iterator(4)
+    it = _pipeline(source, weights=weights).train_iterator()
     for _ in range(7):  # mid-epoch: 7 x 4 rows of 32 tokens is less than the corpus
         next(it)
     state = json.loads(json.dumps(it.get_state()))  # what a checkpoint stores
     expected = [next(it) for _ in range(10)]
-    resumed = _pipeline(source, weights=weights).train_iterator(4)
+    resumed = _pipeline(source, weights=weights).train_iterator()
     resumed.set_state(state)
     got = [next(resumed) for _ in range(10)]
     assert all(np.array_equal(x[k], y[k]) for x, y in zip(expected, got) for k in x)
@@ -267,9 +304,10 @@ def test_mixture_follows_its_weights(tmp_path):
     # Source a's documents hold only "a"s and b's only "b"s, so every row names its source.
     a = _jsonl(tmp_path / "a.jsonl", ["a" * n for n in range(5, 60)])
     b = _jsonl(tmp_path / "b.jsonl", ["b" * n for n in range(5, 60)])
-    pipe = _pipeline(f"{a},{b}", weights="0.75,0.25", seq_len=8)
+    pipe = _pipeline(f"{a},{b}", weights="0.75,0.25", seq_len=8, lanes=1)
     counts = {"a": 0, "b": 0}
-    for row in grain.experimental.LimitIterDataset(pipe.train_dataset(1), 800):
+    it = pipe.train_iterator()
+    for row in (next(it) for _ in range(800)):
         letters = set(ByteTokenizer().decode(row["inputs"][0]))
         assert len(letters) == 1
         counts[letters.pop()] += 1
@@ -282,8 +320,8 @@ def test_heldout_documents_never_train_and_eval_batches_are_fixed(tmp_path):
     pipe = _pipeline(source, seed=3, heldout=0.2)
     train_idx, held_idx = pipe.splits[0]
     assert len(held_idx) == 10 and not set(train_idx) & set(held_idx)
-    it = pipe.train_iterator(8)
-    trained = set(_documents_in([next(it) for _ in range(60)]))
+    it = pipe.train_iterator([0])
+    trained = set(_documents_in([next(it) for _ in range(240)]))
     assert not trained & {texts[i] for i in held_idx}
     batches = list(pipe.eval_batches(batch_size=4))
     assert all(b["inputs"].shape == (4, 32) for b in batches)
@@ -291,6 +329,9 @@ def test_heldout_documents_never_train_and_eval_batches_are_fixed(tmp_path):
     assert batches[-1]["loss_mask"][-1].sum() == 0  # the tail is padding, never scored
     assert [b["inputs"].tolist() for b in pipe.eval_batches(4)] == [b["inputs"].tolist() for b in batches]
     assert len(list(pipe.eval_batches(4, max_batches=1))) == 1
+    rows = list(pipe.eval_batches(4, rows=[3, 1]))  # a process's share: the same batches, its rows
+    assert len(rows) == len(batches) and all(np.array_equal(r["inputs"], b["inputs"][[3, 1]])
+                                             for r, b in zip(rows, batches))
 
 
 @pytest.mark.parametrize("source,weights,needle", [
@@ -306,8 +347,7 @@ def test_bad_mixtures(source, weights, needle):
         parse_mixture(source, weights)
 
 
-def test_too_few_documents_for_the_processes(tmp_path):
+def test_more_lanes_than_documents_still_fill_every_row(tmp_path):
     source = _jsonl(tmp_path / "two.jsonl", ["one doc", "two doc"])
-    with pytest.raises(ZayaError, match="fewer than the 4 processes") as err:
-        _pipeline(source, process=(0, 4))
-    assert "two.jsonl" in str(err.value)
+    batch = next(_pipeline(source, lanes=8, seq_len=8).train_iterator())
+    assert batch["inputs"].shape == (8, 8) and batch["loss_mask"].sum(axis=1).min() > 0

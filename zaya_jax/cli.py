@@ -48,6 +48,15 @@ def build_parser() -> argparse.ArgumentParser:
     from zaya_jax.explore.command import add_parser as add_mesh
 
     add_mesh(jobs)
+    from zaya_jax.cluster.launcher import add_parser as add_launch
+
+    add_launch(jobs)
+    from zaya_jax.cluster.template_command import add_parser as add_template
+
+    add_template(jobs)
+    from zaya_jax.bench.command import add_parser as add_bench
+
+    add_bench(jobs)
     return parser
 
 
@@ -77,6 +86,30 @@ def _add_train(jobs) -> None:
         epilog=TRAIN_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
     train.add_argument("--config", required=True, metavar="FILE", help="experiment file, e.g. experiments/tiny_cpu.py")
     train.add_argument("--workdir", required=True, metavar="DIR", help="where metrics, logs and checkpoints go")
+    from zaya_jax.cluster.startup import add_flags
+
+    add_flags(train)
+
+
+def _train(args: argparse.Namespace, extra: list[str]) -> int:
+    """Config first (the runtime's timeouts are in it), then the runtime, then everything that
+    asks for devices: validation resolves kernels against them."""
+    import jax
+
+    from zaya_jax.cluster import startup
+    from zaya_jax.experiment.load import load_values, unflatten
+    from zaya_jax.experiment.validate import validate
+    from zaya_jax.train.loop import train
+
+    values, source = load_values(args.config, extra)
+    topology = startup.start(startup.settings_from(
+        args, initialization_timeout_s=values["distributed.initialization_timeout_s"],
+        heartbeat_timeout_s=values["distributed.heartbeat_timeout_s"]))
+    exp = validate(unflatten(values), source=source)
+    summary = train(exp, args.workdir, devices=topology.order(jax.devices()), topology=topology)
+    if summary["stopped_by"]:  # saved and stopped early: tell the scheduler it did not finish
+        return 128 + getattr(signal, summary["stopped_by"]).value
+    return 0
 
 
 def run(args: argparse.Namespace, extra: list[str]) -> int:
@@ -84,14 +117,23 @@ def run(args: argparse.Namespace, extra: list[str]) -> int:
         from zaya_jax.explore.command import run as run_mesh
 
         return run_mesh(args, extra)
-    if args.command == "train":
-        from zaya_jax.experiment import load_experiment
-        from zaya_jax.train.loop import train
+    if args.command == "bench":
+        from zaya_jax.bench.command import run as run_bench
 
-        summary = train(load_experiment(args.config, extra), args.workdir)
-        if summary["stopped_by"]:  # saved and stopped early: tell the scheduler it did not finish
-            return 128 + getattr(signal, summary["stopped_by"]).value
-        return 0
+        from zaya_jax.cluster import startup
+
+        topology = startup.start(startup.settings_from(args))  # under zaya launch / SLURM: every process measures
+        return run_bench(args, extra, devices=None, topology=topology)
+    if args.command == "template":
+        from zaya_jax.cluster.template_command import run as run_template
+
+        return run_template(args, extra)
+    if args.command == "train":
+        return _train(args, extra)
+    if args.command == "launch":
+        from zaya_jax.cluster.launcher import run as run_launch
+
+        return run_launch(args, extra)
     if extra:
         raise ZayaError(f"unrecognized arguments: {' '.join(extra)}")
     if args.command == "convert":

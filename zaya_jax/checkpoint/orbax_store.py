@@ -60,7 +60,8 @@ def save_groups(path: str, cfg: ModelConfig, groups: Iterable[Mapping[str, np.nd
     _remove_partials(path)  # left by a killed earlier run; Orbax would otherwise append to it
     try:
         for group in groups:
-            tree = {ROOT: nest({k: np.asarray(v) for k, v in group.items()})}
+            # jax.Arrays stay on the devices: every process writes the shards it holds.
+            tree = {ROOT: nest({k: v if isinstance(v, jax.Array) else np.asarray(v) for k, v in group.items()})}
             ocpv1.partial.save(path, tree, custom_metadata=metadata)
         ocpv1.partial.finalize(path)
     except BaseException:

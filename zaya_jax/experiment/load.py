@@ -26,6 +26,13 @@ OVERRIDE_PREFIX = "--config."
 
 def load_experiment(path: str, overrides: Iterable[str] = ()) -> Experiment:
     """The validated experiment from a config file plus command-line overrides."""
+    values, source = load_values(path, overrides)
+    return validate(unflatten(values), source=source)
+
+
+def load_values(path: str, overrides: Iterable[str] = ()) -> tuple[dict[str, Any], str]:
+    """Every key's value (flat, type-checked, not yet validated) and where they came from: what a
+    command needs before JAX starts (the distributed runtime's timeouts), since validation does."""
     values = flatten(config_from_file(path).to_dict())
     schema = flatten(base_config().to_dict())
     _check_keys(values, schema, path)
@@ -35,7 +42,7 @@ def load_experiment(path: str, overrides: Iterable[str] = ()) -> Experiment:
         values[key] = parse_value(key, text, schema[key])
     for key, value in values.items():
         check_type(key, value, schema[key], where=path)
-    return validate(unflatten(values), source=f"{path} with overrides" if parsed else path)
+    return values, f"{path} with overrides" if parsed else path
 
 
 def config_from_file(path: str) -> ml_collections.ConfigDict:

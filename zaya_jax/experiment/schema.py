@@ -2,7 +2,7 @@
 
 `base_config(preset)` is where experiment files start: it returns an `ml_collections.ConfigDict`
 holding every stable key (`train.*`, `eval.*`, `checkpoint.*`, `model.*`, `mesh.*`, `data.*`,
-`optim.*`) with a documented default. An experiment overrides values; it never adds keys, so
+`optim.*`, `distributed.*`) with a documented default. An experiment overrides values; it never adds keys, so
 scripts and sweeps can rely on every name here. `model.*` uses Hugging Face `ZayaConfig` names.
 """
 
@@ -91,7 +91,15 @@ def _data() -> dict:
         text_field="text",  # JSONL field / Parquet column holding the document text
         tokenizer="bytes",  # "bytes" or a path to a Hugging Face tokenizer.json (or its directory)
         heldout_fraction=0.05,  # documents kept out of training for the held-out loss
-        read_threads=4,  # Grain threads reading and tokenizing documents, per source
+        read_threads=4,  # threads reading and tokenizing documents: lanes (rows) advanced in parallel
+    )
+
+
+def _distributed() -> dict:
+    # Multi-process runs only (`zaya launch`, SLURM, Kubernetes): JAX's distributed runtime.
+    return dict(
+        initialization_timeout_s=300,  # wait this long for the coordinator and for every process to join
+        heartbeat_timeout_s=100,  # a process silent this long is declared dead and the job stops
     )
 
 
@@ -105,5 +113,5 @@ def base_config(preset: str = "tiny_cpu") -> ml_collections.ConfigDict:
     model = dataclasses.asdict(model_preset(preset))
     return ml_collections.ConfigDict(
         dict(train=_train(), eval=_eval(), checkpoint=_checkpoint(), optim=_optim(), data=_data(),
-             mesh=_mesh(), model=model)
+             mesh=_mesh(), distributed=_distributed(), model=model)
     )

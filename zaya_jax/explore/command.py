@@ -21,7 +21,8 @@ Hardware profiles (zaya_jax/hardware.py, with sources): mi300x, mi325x, mi355x, 
 The JSON (--json) is a list, one object per layout: layout, fits, predicted {param_bytes, grad_bytes,
 optimizer_bytes, activation_bytes, total_bytes, step_time_s, mfu, ...}, and with --validate
 xla {argument_bytes, temp_bytes, ...}. --validate compiles the real train step of the shown layouts
-that fit, from abstract shapes, on nodes x gpus-per-node fake CPU devices (at most 64)."""
+that fit, from abstract shapes, on nodes x gpus-per-node fake CPU devices (at most 64); run under
+`zaya launch` or srun (a multi-process job) it compiles on the job's own devices instead."""
 
 
 def add_parser(jobs) -> None:
@@ -58,12 +59,35 @@ def _check_numbers(args) -> None:
     for path in (args.json, args.plot):
         if path:
             check_writable(path)
-    devices = args.nodes * args.gpus_per_node
-    if args.validate and devices > MAX_VALIDATE_DEVICES:
-        raise ZayaError(f"--validate compiles on {devices} fake CPU devices here; ask for at most "
-                        f"{MAX_VALIDATE_DEVICES} (e.g. --nodes=1): a node has the same per-device shapes")
-    if args.validate:
-        _fake_devices(devices)
+
+
+def _validation_devices(args):
+    """The devices --validate compiles on: in a multi-process job (`zaya launch`, SLURM) the job's
+    own, laid out node by node; alone, nodes x gpus-per-node fake CPU devices (None: JAX's)."""
+    from zaya_jax.cluster import startup
+
+    n = args.nodes * args.gpus_per_node
+    settings = startup.settings_from(args)
+    if not (settings.explicit or startup.detected_cluster()):
+        if n > MAX_VALIDATE_DEVICES:
+            raise ZayaError(f"--validate compiles on {n} fake CPU devices here; ask for at most "
+                            f"{MAX_VALIDATE_DEVICES} (e.g. --nodes=1): a node has the same per-device shapes")
+        _fake_devices(n)
+        return None
+    import jax
+
+    topology = startup.start(settings)
+    devices = topology.order(jax.devices())
+    if len(devices) != n:
+        raise ZayaError(f"--validate in this {topology.process_count}-process job compiles on its {len(devices)} "
+                        f"devices; ask for --nodes x --gpus-per-node = {len(devices)}")
+    return devices
+
+
+def _is_process_zero() -> bool:
+    import jax
+
+    return jax.process_index() == 0
 
 
 def _fake_devices(n: int) -> None:
@@ -88,6 +112,7 @@ def run(args, overrides: list[str]) -> int:
     from zaya_jax.explore.placement import describe
     from zaya_jax.explore.workload import Run
 
+    devices = _validation_devices(args) if args.validate else None
     hw = hardware.profile(args.hardware)
     curves = load_curves(args.collectives) if args.collectives else None
     overrides = list(overrides)
@@ -104,7 +129,10 @@ def run(args, overrides: list[str]) -> int:
         from zaya_jax.explore.validate import validate
 
         targets = [p.layout for p in shown if p.fits]
-        xla = validate(args.config, overrides, targets, progress=lambda m: print(m, file=sys.stderr, flush=True))
+        xla = validate(args.config, overrides, targets, progress=lambda m: print(m, file=sys.stderr, flush=True),
+                       devices=devices)
+        if devices is not None and not _is_process_zero():
+            return 0  # every process compiled; process 0 reports
     print(report.header(question, len(shown), len(predictions), len(fitting)))
     print(report.table(shown, xla))
     if args.json:

@@ -37,19 +37,22 @@ def compile_layout(config_path: str, overrides: list[str], layout: dict[str, int
     return memory_report(program)
 
 
-def validate(config_path: str, overrides: list[str], layouts: list[dict[str, int]], progress=print) -> dict:
-    """XLA's numbers for each layout, keyed by `placement.describe(layout)`."""
+def validate(config_path: str, overrides: list[str], layouts: list[dict[str, int]], progress=print,
+             devices=None) -> dict:
+    """XLA's numbers for each layout, keyed by `placement.describe(layout)`, compiled on `devices`
+    (node-major; default JAX's)."""
     import jax
 
     from zaya_jax.explore.placement import describe, total
 
+    devices = list(devices if devices is not None else jax.devices())
     out = {}
     for i, layout in enumerate(layouts, 1):
         n = total(layout)
-        if len(jax.devices()) < n:
-            raise ZayaError(f"--validate needs {n} devices and JAX sees {len(jax.devices())}; run with "
+        if len(devices) < n:
+            raise ZayaError(f"--validate needs {n} devices and JAX sees {len(devices)}; run with "
                             f"XLA_FLAGS=--xla_force_host_platform_device_count={n} JAX_PLATFORMS=cpu")
         start = time.perf_counter()
-        out[describe(layout)] = compile_layout(config_path, overrides, layout, jax.devices()[:n])
+        out[describe(layout)] = compile_layout(config_path, overrides, layout, devices[:n])
         progress(f"validate {i}/{len(layouts)}: {describe(layout)} compiled in {time.perf_counter() - start:.1f}s")
     return out

@@ -4,7 +4,9 @@
 * `state` — the `TrainState` (step, params, balancing biases, optimizer and balancer states),
   saved with each array's sharding and restored into an abstract target built for the *current*
   mesh, so a run saved on one layout or device count resumes on another;
-* `data` — the Grain iterator state, one JSON file per process (`process_I-of-N.json`);
+* `data` — the data lanes' states (`data/lanes.py`), one JSON file per process
+  (`process_I-of-N.json`, the lanes that process reads); restoring merges every file, so a run
+  saved by N processes resumes on any other number with no document repeated or skipped;
 * `meta` — JSON: the model config, every state leaf's shape, the seed and the data settings,
   checked before any array is read so a mismatch is a sentence, not a tensorstore error.
 The train step has no randomness of its own (no dropout), so the RNG state of a run is its seed
@@ -19,15 +21,18 @@ leftovers are removed when the next run opens the directory.
 from __future__ import annotations
 
 import dataclasses
+import glob
+import json
 import os
 import threading
 import time
+from typing import Any
 
-import grain
 import jax
 import orbax.checkpoint as ocp
 
 from zaya_jax.config import COMPUTE_FIELDS
+from zaya_jax.data.lanes import LaneRows, merge_states
 from zaya_jax.data.pipeline import DataSettings
 from zaya_jax.errors import ZayaError
 
@@ -54,7 +59,7 @@ class RunCheckpoints:
             max_to_keep=keep, create=True, cleanup_tmp_directories=True,
             enable_async_checkpointing=async_save,
             async_options=ocp.AsyncOptions(post_finalization_callback=self._on_written) if async_save else None)
-        handlers = {"state": ocp.StandardCheckpointHandler(), "data": grain.checkpoint.CheckpointHandler(),
+        handlers = {"state": ocp.StandardCheckpointHandler(), "data": DataStateHandler(),
                     "meta": ocp.JsonCheckpointHandler()}
         try:
             self._manager = ocp.CheckpointManager(self.directory, options=options, item_handlers=handlers)
@@ -64,7 +69,7 @@ class RunCheckpoints:
         self.async_save = async_save
 
     # ---- saving -----------------------------------------------------------------------------
-    def save(self, step: int, state, iterator: grain.DatasetIterator, meta: dict) -> float:
+    def save(self, step: int, state, iterator: LaneRows, meta: dict) -> float:
         """Start saving; returns how long the training loop was blocked (seconds)."""
         jax.block_until_ready(state)  # the step's own compute is not a checkpoint stall
         self.wait()  # one save in flight at a time: Orbax would wait here anyway
@@ -72,7 +77,7 @@ class RunCheckpoints:
         with self._lock:
             self._in_flight, self._started_at = SaveTiming(step, 0.0), started
         args = ocp.args.Composite(state=ocp.args.StandardSave(state),
-                                  data=grain.checkpoint.CheckpointSave(iterator),
+                                  data=DataStateSave(iterator.get_state()),
                                   meta=ocp.args.JsonSave({**meta, "step": int(step)}))
         self._manager.save(step, args=args, force=True)
         blocking = time.perf_counter() - started
@@ -130,15 +135,62 @@ class RunCheckpoints:
                             "`zaya train` (or by another version): use a fresh --workdir")
         return restored.meta
 
-    def restore(self, step: int, abstract_state, iterator: grain.DatasetIterator | None):
+    def restore(self, step: int, abstract_state, iterator: LaneRows | None):
         """The state placed as `abstract_state` says; the iterator is restored in place if given."""
         args = {"state": ocp.args.StandardRestore(abstract_state)}
         if iterator is not None:
-            args["data"] = grain.checkpoint.CheckpointRestore(iterator)
+            args["data"] = DataStateRestore()
         try:
-            return self._manager.restore(step, args=ocp.args.Composite(**args)).state
+            restored = self._manager.restore(step, args=ocp.args.Composite(**args))
         except Exception as e:  # noqa: BLE001 — tensorstore, OCDBT and JSON errors all mean "damaged"
             raise _damaged(self.step_dir(step), e) from None
+        if iterator is not None:
+            iterator.set_state(restored.data)
+        return restored.state
+
+
+class DataStateHandler:
+    """Orbax handler of the `data` item: each process writes its lanes' states; a restore reads
+    every process's file and merges them, whatever the process count was."""
+
+    def save(self, directory, args: "DataStateSave") -> None:
+        name = f"process_{jax.process_index()}-of-{jax.process_count()}.json"
+        (directory / name).write_text(json.dumps(args.state))
+
+    def restore(self, directory, args: "DataStateRestore" = None) -> dict:
+        files = sorted(glob.glob(os.path.join(os.fspath(directory), "process_*-of-*.json")))
+        if not files:
+            raise ValueError(f"no data state files in {directory}")
+        states = []
+        for path in files:
+            with open(path) as f:
+                states.append(json.load(f))
+        return merge_states(states)
+
+    def metadata(self, directory) -> None:
+        return None
+
+    def finalize(self, directory) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+    @classmethod
+    def typestr(cls) -> str:
+        return f"{cls.__module__}.{cls.__qualname__}"
+
+
+@ocp.args.register_with_handler(DataStateHandler, for_save=True)
+@dataclasses.dataclass
+class DataStateSave(ocp.args.CheckpointArgs):
+    state: Any  # taken when the save starts: the iterator moves on while Orbax writes
+
+
+@ocp.args.register_with_handler(DataStateHandler, for_restore=True)
+@dataclasses.dataclass
+class DataStateRestore(ocp.args.CheckpointArgs):
+    pass
 
 
 def run_meta(exp, abstract_state, process_count: int) -> dict:

@@ -7,6 +7,11 @@ data iterator are checkpointed to `WORKDIR/checkpoints/<step>/` every `checkpoin
 at the end, and on SIGTERM/SIGINT; a run started on a workdir that holds a checkpoint resumes
 from the newest complete one. At the end the model alone is also written to `WORKDIR/model`
 (loadable with `zaya_jax.load`, exportable with `zaya convert to-hf`).
+
+With several processes (`zaya launch`, SLURM, Kubernetes) every process runs this loop on its
+own devices: each reads the data lanes of the rows its devices hold, all write their shards of
+every checkpoint and of the final model through Orbax, and all stop at the same step on SIGTERM.
+Only process 0 speaks: the banner, the progress bar, metrics.jsonl and TensorBoard.
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ import os
 import shutil
 import sys
 import time
+from contextlib import nullcontext
 
 import jax
 import numpy as np
@@ -27,6 +33,7 @@ from zaya_jax.kernels import xla_flags
 from zaya_jax.kernels.registry import describe as describe_kernel
 from zaya_jax.model import layer_stack
 from zaya_jax.parallel.mesh import BATCH_AXES
+from zaya_jax.parallel.topology import Topology
 from zaya_jax.train import compile_cache
 from zaya_jax.train import flops as flops_lib
 from zaya_jax.train import optim as optim_lib
@@ -60,8 +67,7 @@ def build_data(exp: Experiment) -> DataPipeline:
     if tokenizer.vocab_size > model.vocab_size:
         raise ZayaError(f"the tokenizer has {tokenizer.vocab_size} tokens but model.vocab_size is {model.vocab_size}; "
                         "raise model.vocab_size to at least the tokenizer's size")
-    return DataPipeline(DataSettings.from_config(exp.config), tokenizer,
-                        process_index=jax.process_index(), process_count=jax.process_count())
+    return DataPipeline(DataSettings.from_config(exp.config), tokenizer)
 
 
 def _eval_batch_size(program: Program) -> int:
@@ -72,59 +78,79 @@ def _eval_batch_size(program: Program) -> int:
     return size
 
 
-def evaluate(program: Program, eval_step, state, batches: list[dict]) -> dict | None:
+def evaluate(program: Program, eval_step, state, batches: list[dict], size: int) -> dict | None:
     if not batches:
         return None
     loss, tokens = 0.0, 0.0
     for batch in batches:
-        l, n = jax.device_get(eval_step(state.params, state.biases, program.place_batch(batch, accumulated=False)))
+        l, n = jax.device_get(eval_step(state.params, state.biases, program.place_eval_batch(batch, size)))
         loss, tokens = loss + float(l), tokens + float(n)
     return {"eval_loss": loss / max(tokens, 1.0), "eval_tokens": tokens}
 
 
 def save_model(program: Program, state, path: str) -> None:
-    """The model (params + balancing biases) as a zaya-jax checkpoint, one layer group at a time."""
+    """The model (params + balancing biases) as a zaya-jax checkpoint, one layer group at a time.
+
+    Every process writes its own shards through Orbax (`jax.Array`s sliced on the devices), so
+    arrays no single host can address are saved too; process 0 alone moves directories."""
     from zaya_jax.checkpoint import orbax_store
 
     arrays = {**state.params, **state.biases}
     layers = program.modeldef.cfg.num_hidden_layers
-    fetch = lambda value, i: np.asarray(jax.device_get(value[i]))  # noqa: E731  one layer's row
+    row = jax.jit(lambda value, i: value[i])  # one layer's row, left sharded where it lies
 
-    def groups():  # the per-layer interchange form, one layer on the host at a time
-        yield {k: np.asarray(jax.device_get(v)) for k, v in arrays.items() if not layer_stack.is_stacked(k)}
+    def groups():  # the per-layer interchange form, one layer at a time
+        yield {k: v for k, v in arrays.items() if not layer_stack.is_stacked(k)}
         for i in range(layers):
-            yield layer_stack.layer_entries(arrays, i, fetch)
+            yield layer_stack.layer_entries(arrays, i, row)
 
     tmp = path + ".saving"
-    shutil.rmtree(tmp, ignore_errors=True)
+    _on_process_zero(lambda: shutil.rmtree(tmp, ignore_errors=True), "zaya_model_clear")
     orbax_store.save_groups(tmp, program.modeldef.cfg, groups())
-    shutil.rmtree(path, ignore_errors=True)
-    os.replace(tmp, path)
+    _on_process_zero(lambda: (shutil.rmtree(path, ignore_errors=True), os.replace(tmp, path)), "zaya_model_done")
 
 
-def train(exp: Experiment, workdir: str, devices=None, out=sys.stdout) -> dict:
-    """Run (or resume) the experiment; returns a summary (losses, throughput, wall time, stop reason)."""
+def _on_process_zero(action, barrier: str) -> None:
+    """Run a filesystem action once, then let every process go on after it."""
+    if jax.process_index() == 0:
+        action()
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+
+        multihost_utils.sync_global_devices(barrier)
+
+
+def train(exp: Experiment, workdir: str, devices=None, out=sys.stdout, topology: Topology | None = None) -> dict:
+    """Run (or resume) the experiment; returns a summary (losses, throughput, wall time, stop reason).
+
+    `devices` in node-major order and `topology` come from the start-up (`cluster/startup.py`);
+    the defaults are this process's view: all devices, one node."""
     started = time.perf_counter()
     xla_flags.require(exp.model)  # set by validation already; a no-op then (or too late: one sentence)
+    topology = topology or Topology((0,) * jax.process_count())
+    if jax.process_index() != 0:
+        out = open(os.devnull, "w")  # noqa: SIM115 — process 0 speaks; errors still reach stderr
     workdir = prepare_workdir(workdir)
     c = exp.config
     compile_cache.use(c.train.compile_cache, workdir)  # before anything compiles
     program = build_program(exp, devices)  # layout errors first: they are cheap to find
     eval_batch_size = _eval_batch_size(program)
     data = build_data(exp)
-    iterator = data.train_iterator(c.train.global_batch_size // jax.process_count())
+    iterator = data.train_iterator(program.data_lanes())
     checkpoints = RunCheckpoints(os.path.join(workdir, "checkpoints"), c.checkpoint.keep, c.checkpoint.async_save)
     try:
-        return _run(exp, program, data, iterator, checkpoints, workdir, eval_batch_size, started, out)
+        return _run(exp, program, data, iterator, checkpoints, workdir, eval_batch_size, started, out, topology)
     finally:
         checkpoints.close()  # never leave a background save behind
+        iterator.close()
 
 
-def _run(exp, program, data, iterator, checkpoints, workdir, eval_batch_size, started, out) -> dict:
+def _run(exp, program, data, iterator, checkpoints, workdir, eval_batch_size, started, out, topology) -> dict:
     c = exp.config
+    primary = jax.process_index() == 0
     hardware = device_profile(c.train.hardware, program.mesh.devices.flat[0])
     flops = flops_lib.training_flops_per_token(exp.model, c.train.seq_len)
-    _banner(out, exp, program, data, workdir, hardware)
+    _banner(out, exp, program, data, workdir, hardware, topology)
     meta = run_meta(exp, program.abstract_state(), jax.process_count())
     state, start = _resume_or_init(program, checkpoints, iterator, meta, out)
     summary = {"first_loss": None, "last_loss": None, "eval_loss": None, "compile_sec": 0.0,
@@ -142,35 +168,37 @@ def _run(exp, program, data, iterator, checkpoints, workdir, eval_batch_size, st
     source = f"loaded the train step from the compilation cache {where}" if hits.count else \
         f"compiled the train step{'' if where is None else ' (cached in ' + where + ')'}"
     print(f"{source} in {summary['compile_sec']:.1f}s", file=out, flush=True)
-    eval_batches = list(data.eval_batches(eval_batch_size, c.eval.batches)) if c.eval.batches else []
+    eval_rows = program.local_rows(eval_batch_size)
+    eval_batches = list(data.eval_batches(eval_batch_size, c.eval.batches, eval_rows)) if c.eval.batches else []
 
     timer = StepTimer(c.train.global_batch_size * c.train.seq_len, flops.total, program.mesh.size, hardware,
                       start_step=start)
-    with StopSignals() as stop, MetricsWriter(workdir) as writer, \
-            Progress(c.train.steps, enabled=c.train.progress, initial=start) as bar:
+    with StopSignals(topology.process_count) as stop, MetricsWriter(workdir, enabled=primary) as writer, \
+            Progress(c.train.steps, enabled=c.train.progress and primary, initial=start) as bar:
         for step in range(start, c.train.steps):
             batch = first_batch if step == start else next(iterator)
             state, metrics = compiled(state, program.place_batch(batch))
             done = step + 1
             bar.advance()
-            if done % c.train.log_every == 0 or done == c.train.steps or step == start:
+            if primary and (done % c.train.log_every == 0 or done == c.train.steps or step == start):
                 record = timer.record(jax.device_get(metrics), done)
                 writer.write(done, record)
                 bar.show(record)
                 summary["first_loss"] = summary["first_loss"] or record["loss"]
                 summary["last_loss"] = record["loss"]
             if (c.eval.every_steps and done % c.eval.every_steps == 0) or done == c.train.steps:
-                result = evaluate(program, eval_step, state, eval_batches)
+                result = evaluate(program, eval_step, state, eval_batches, eval_batch_size)
                 if result:
                     writer.write(done, result)
                     bar.note(f"step {done}: held-out loss {result['eval_loss']:.4f}")
                     summary["eval_loss"] = result["eval_loss"]
             every = c.checkpoint.every_steps
-            if (every and done % every == 0) or done == c.train.steps or stop.received:
+            stopping = stop.reached(done)
+            if (every and done % every == 0) or done == c.train.steps or stopping:
                 blocking = checkpoints.save(done, state, iterator, meta)
                 writer.write(done, {"checkpoint_blocking_sec": blocking, "checkpoint_async": checkpoints.async_save})
             _write_save_timings(writer, checkpoints)
-            if stop.received:
+            if stopping:
                 summary["stopped_by"] = stop.name
                 break
         checkpoints.wait()
@@ -194,12 +222,14 @@ def _resume_or_init(program: Program, checkpoints: RunCheckpoints, iterator, met
                         "checkpoint.resume is False; use a fresh --workdir, or set checkpoint.resume=True")
     saved = checkpoints.read_meta(step)
     check_compatible(saved, meta, where)
-    same_data = saved["data"] == meta["data"] and saved["process_count"] == meta["process_count"]
+    same_data = saved["data"] == meta["data"]
     state = checkpoints.restore(step, program.placed_abstract_state(), iterator if same_data else None)
-    print(f"resumed from {where} (step {step})", file=out, flush=True)
+    processes = "" if saved["process_count"] == meta["process_count"] else \
+        f"; saved by {saved['process_count']} process(es), resharded over {meta['process_count']}"
+    print(f"resumed from {where} (step {step}{processes})", file=out, flush=True)
     if not same_data:
-        print("  the data settings or process count changed since that checkpoint: the data pipeline "
-              "starts from the beginning of the new settings", file=out, flush=True)
+        print("  the data settings changed since that checkpoint: the data pipeline starts from the "
+              "beginning of the new settings", file=out, flush=True)
     return state, step
 
 
@@ -213,12 +243,13 @@ def _finish(program, state, summary, started, workdir, out, timer) -> dict:
     save_model(program, state, final)
     summary.update(timer.summary() if timer else {"tokens_per_sec": float("nan"), "mfu": None},
                    wall_sec=time.perf_counter() - started, model_dir=final)
-    if timer:
+    if timer and summary["first_loss"] is not None:  # process 0 read the losses; the others stay quiet
         _report(out, summary, workdir)
     return summary
 
 
-def _banner(out, exp: Experiment, program: Program, data: DataPipeline, workdir: str, hardware) -> None:
+def _banner(out, exp: Experiment, program: Program, data: DataPipeline, workdir: str, hardware,
+            topology: Topology) -> None:
     m, c = exp.model, exp.config
     axes = ", ".join(f"{a}={s}" for a, s in program.mesh.shape.items() if s > 1) or "one device"
     active = flops_lib.matmul_params_per_token(m)
@@ -230,6 +261,10 @@ def _banner(out, exp: Experiment, program: Program, data: DataPipeline, workdir:
     print(f"  kernels attention {kernels['attention']}, experts {kernels['grouped_matmul']}, "
           f"norm {kernels['rms_norm']}", file=out)
     print(f"  mesh    {program.mesh.size} {program.mesh.devices.flat[0].platform} device(s): {axes}", file=out)
+    if topology.process_count > 1:
+        across = ", ".join(topology.axes_across_nodes(program.mesh)) or "none"
+        print(f"  cluster {topology.process_count} processes on {topology.nodes} node(s); axes across nodes: "
+              f"{across}", file=out)
     print(f"  data    {data.describe()}; rows of {c.train.seq_len} tokens", file=out)
     print(f"  steps   {c.train.steps} x {c.train.global_batch_size} sequences "
           f"({c.train.grad_accum_steps} micro-batch(es)); MFU against "

@@ -9,6 +9,8 @@ Owns the layout of a run's metrics under its workdir:
   floats and bools, the latter as 0/1) under its key; nested dicts give tags "outer/inner".
   Lists and strings stay in the JSON only. NaN and inf are written as they are: TensorBoard
   shows them.
+
+In a multi-process run only process 0 writes (`enabled=False` elsewhere): one file, one story.
 """
 
 from __future__ import annotations
@@ -30,12 +32,15 @@ TENSORBOARD_DIR = "tensorboard"
 class MetricsWriter:
     """Append-only metrics sink for one run. Use as a context manager or call `close()`."""
 
-    def __init__(self, workdir: str):
+    def __init__(self, workdir: str, enabled: bool = True):
         self.workdir = workdir
         self.jsonl_path = os.path.join(workdir, JSONL_NAME)
         self.tensorboard_dir = os.path.join(workdir, TENSORBOARD_DIR)
         self._jsonl = None
         self._tb = None
+        self.enabled = enabled
+        if not enabled:
+            return
         try:
             # Create everything here so an unwritable workdir fails now, with its name, rather
             # than inside tensorboardX's background writer thread.
@@ -50,6 +55,8 @@ class MetricsWriter:
 
     def write(self, step: int, record: dict[str, Any]) -> None:
         """Append `{"step": step, **record}` to metrics.jsonl and its scalars to TensorBoard."""
+        if not self.enabled:
+            return
         if self._jsonl is None:
             raise ValueError("MetricsWriter.write after close()")
         step = _as_step(step)

@@ -183,17 +183,49 @@ class Program:
         return jax.jit(step, in_shardings=(params_sh, biases_sh, self.batch_sharding(accumulated=False)),
                        out_shardings=self.replicated())
 
-    def place_batch(self, batch: dict, accumulated: bool = True) -> dict:
-        """This process's rows [b, S] → global arrays; reshaped to [A, b/A, S] for accumulation.
+    def local_rows(self, rows: int) -> list[int]:
+        """The rows of a [rows, seq_len] batch (one micro-batch) held by this process's devices.
 
-        With several processes each passes its own share and the global batch is their
-        concatenation along the (data-parallel) batch dimension.
-        """
-        if accumulated:
-            a = self.exp.config.train.grad_accum_steps
-            batch = {k: v.reshape(a, v.shape[0] // a, *v.shape[1:]) for k, v in batch.items()}
-        sharding = self.batch_sharding(accumulated)
-        return {k: jax.make_array_from_process_local_data(sharding, batch[k]) for k in BATCH_KEYS}
+        Processes whose devices split only sequence, tsp or tensor of the same rows hold, and so
+        read, the same rows; the others hold disjoint ones."""
+        shape = (rows, self.exp.config.train.seq_len)
+        held = set()
+        for index in self.batch_sharding(accumulated=False).addressable_devices_indices_map(shape).values():
+            held.update(range(*index[0].indices(rows)))
+        return sorted(held)
+
+    def data_lanes(self) -> list[int]:
+        """The lanes (rows of the global batch, `data/lanes.py`) this process reads, micro-batch
+        by micro-batch: the rows `place_batch` takes, in its order."""
+        micro = self.micro_batch
+        return [a * micro + r for a in range(self.exp.config.train.grad_accum_steps) for r in self.local_rows(micro)]
+
+    def place_batch(self, batch: dict) -> dict:
+        """This process's rows of a train step (`data_lanes()` order) → global [A, micro, S] arrays."""
+        c = self.exp.config.train
+        shape = (c.grad_accum_steps, self.micro_batch, c.seq_len)
+        rows = self.local_rows(self.micro_batch)
+        local = {k: v.reshape(c.grad_accum_steps, len(rows), *v.shape[1:]) for k, v in batch.items()}
+        return {k: _global_array(local[k], shape, self.batch_sharding(), rows, 1) for k in BATCH_KEYS}
+
+    def place_eval_batch(self, batch: dict, size: int) -> dict:
+        """This process's rows (`local_rows(size)` order) of a [size, S] held-out batch → global arrays."""
+        shape = (size, self.exp.config.train.seq_len)
+        rows = self.local_rows(size)
+        sharding = self.batch_sharding(accumulated=False)
+        return {k: _global_array(batch[k], shape, sharding, rows, 0) for k in BATCH_KEYS}
+
+
+def _global_array(local, shape, sharding, rows: list[int], row_dim: int):
+    """A global array whose `row_dim` rows `rows` are `local`'s, each device given its slice."""
+    position = {r: i for i, r in enumerate(rows)}
+
+    def piece(index):
+        index = list(index)
+        index[row_dim] = [position[r] for r in range(*index[row_dim].indices(shape[row_dim]))]
+        return local[tuple(index)]
+
+    return jax.make_array_from_callback(shape, sharding, piece)
 
 
 def build_program(exp: Experiment, devices=None, target: str | None = None) -> Program:

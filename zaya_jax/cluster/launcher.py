@@ -1,0 +1,206 @@
+"""`zaya launch`: start the processes of one node, prefix their output, end them all when one fails.
+
+`zaya launch -n N [--nodes M --node-rank R --coordinator-address HOST:PORT] -- COMMAND ...`
+runs `zaya COMMAND ...` N times on this machine as processes R·N ... R·N+N-1 of an N·M-process
+JAX job: each gets the explicit start-up settings (`cluster/startup.ENV`) and either one local
+GPU (`JAX_LOCAL_DEVICE_IDS=i`) or, with `--cpu-devices K`, K CPU devices. Their output lines
+are prefixed `[i]`. When one process fails, the others get SIGTERM and, after `--grace-s`,
+SIGKILL (each runs in its own process group, so nothing it started survives), and the launcher
+exits with the failed process's status. SIGTERM or Ctrl-C to the launcher is passed on as
+SIGTERM, so a training job saves a checkpoint and stops; a second one kills.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+from zaya_jax.cluster.startup import ENV, NODE_ENV
+from zaya_jax.errors import ZayaError
+
+EPILOG = """\
+examples:
+  zaya launch -n 2 --cpu-devices 4 -- train --config=experiments/tiny_cpu.py --workdir=/tmp/zaya_mp
+  zaya launch -n 8 -- train --config=experiments/zaya1_base_phase1.py --workdir=/shared/run   # one process per GPU
+  zaya launch -n 8 --nodes 128 --node-rank $NODE --coordinator-address node0:8476 -- train ...
+
+Every process gets JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES, JAX_PROCESS_ID and either
+JAX_LOCAL_DEVICE_IDS=i (its GPU) or JAX_PLATFORMS=cpu with K fake CPU devices (--cpu-devices K)."""
+
+
+def add_parser(jobs) -> None:
+    p = jobs.add_parser(
+        "launch", help="run a zaya command as N processes of a JAX job (one per GPU, or CPU processes)",
+        description="Start N local processes of a multi-process JAX job running `zaya COMMAND`, prefix "
+                    "their output, and stop them all when one fails.",
+        epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("-n", "--nproc", type=int, required=True, metavar="N", help="processes on this node")
+    p.add_argument("--nodes", type=int, default=1, metavar="M", help="nodes in the job (default 1)")
+    p.add_argument("--node-rank", type=int, default=0, metavar="R", help="this node, 0..M-1 (default 0)")
+    p.add_argument("--coordinator-address", metavar="HOST:PORT",
+                   help="process 0's address (default with one node: a free local port)")
+    p.add_argument("--cpu-devices", type=int, metavar="K", help="run on CPU with K devices per process")
+    p.add_argument("--grace-s", type=float, default=10.0, metavar="S",
+                   help="after a failure, seconds between SIGTERM and SIGKILL to the others (default 10)")
+    p.add_argument("argv", nargs=argparse.REMAINDER, metavar="-- COMMAND ...",
+                   help="the zaya command each process runs, e.g. -- train --config=... --workdir=...")
+
+
+def run(args, extra: list[str]) -> int:
+    command = _command(args, extra)
+    _check(args)
+    address = args.coordinator_address or f"localhost:{_free_port()}"
+    total = args.nproc * args.nodes
+    first = args.node_rank * args.nproc
+    print(f"zaya launch: processes {first}..{first + args.nproc - 1} of {total} "
+          f"({_devices_text(args)}), coordinator {address}: zaya {' '.join(command)}", file=sys.stderr, flush=True)
+    children = [_start(args, command, i, address, total) for i in range(args.nproc)]
+    pids = ", ".join(f"{first + i}: pid {child.pid}" for i, child in enumerate(children))
+    print(f"zaya launch: started {pids}", file=sys.stderr, flush=True)
+    return Supervisor(children, args.grace_s, first).wait()
+
+
+def _command(args, extra: list[str]) -> list[str]:
+    command = list(args.argv or [])
+    if command[:1] == ["--"]:
+        command = command[1:]
+    command += extra
+    if not command:
+        raise ZayaError("zaya launch needs a command after --, e.g. zaya launch -n 2 -- train --config=... --workdir=...")
+    if command[0] == "launch":
+        raise ZayaError("zaya launch cannot launch itself; give the command the processes run, e.g. -- train ...")
+    return command
+
+
+def _check(args) -> None:
+    for flag, value, low in (("-n", args.nproc, 1), ("--nodes", args.nodes, 1), ("--node-rank", args.node_rank, 0),
+                             ("--cpu-devices", args.cpu_devices, 1), ("--grace-s", args.grace_s, 0)):
+        if value is not None and value < low:
+            raise ZayaError(f"zaya launch {flag} must be at least {low}, got {value}")
+    if args.node_rank >= args.nodes:
+        raise ZayaError(f"--node-rank {args.node_rank} is not below --nodes {args.nodes}; ranks run 0..{args.nodes - 1}")
+    if args.nodes > 1 and not args.coordinator_address:
+        raise ZayaError("with --nodes > 1 every node needs the same --coordinator-address HOST:PORT "
+                        "(node 0's address and a free port)")
+
+
+def _devices_text(args) -> str:
+    return f"{args.cpu_devices} CPU device(s) each" if args.cpu_devices else "one GPU each"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("localhost", 0))
+        return s.getsockname()[1]
+
+
+def _start(args, command: list[str], local: int, address: str, total: int) -> subprocess.Popen:
+    env = dict(os.environ)
+    env.update({ENV["coordinator_address"]: address, ENV["num_processes"]: str(total),
+                ENV["process_id"]: str(args.node_rank * args.nproc + local), NODE_ENV: f"node-{args.node_rank}",
+                "PYTHONUNBUFFERED": "1"})
+    if args.cpu_devices:
+        flags = re.sub(r"--xla_force_host_platform_device_count=\S+", "", env.get("XLA_FLAGS", ""))
+        env.update(JAX_PLATFORMS="cpu", XLA_FLAGS=f"{flags} --xla_force_host_platform_device_count={args.cpu_devices}".strip())
+        env.pop(ENV["local_device_ids"], None)
+    else:
+        env[ENV["local_device_ids"]] = str(local)
+    # Own session: a terminal's Ctrl-C reaches the launcher only, which passes it on as SIGTERM.
+    return subprocess.Popen([sys.executable, "-m", "zaya_jax", *command], env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, start_new_session=True)
+
+
+class Supervisor:
+    """Relays the children's output and ends them all when one fails or the launcher is told to stop."""
+
+    def __init__(self, children: list[subprocess.Popen], grace_s: float, first_id: int):
+        self.children, self.grace_s, self.first_id = children, grace_s, first_id
+        self._stop_requests = 0
+        self._relays = [threading.Thread(target=_relay, args=(stream, sink, f"[{first_id + i}] "), daemon=True)
+                        for i, child in enumerate(children)
+                        for stream, sink in ((child.stdout, sys.stdout), (child.stderr, sys.stderr))]
+        for relay in self._relays:
+            relay.start()
+
+    def wait(self) -> int:
+        previous = {sig: signal.signal(sig, self._on_signal) for sig in (signal.SIGTERM, signal.SIGINT)}
+        try:
+            failure = self._watch()
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+        for relay in self._relays:
+            relay.join(timeout=5)
+        if failure is None:
+            return 0
+        index, code = failure
+        return code if code > 0 else 128 - code  # killed by signal s: Popen says -s; shells say 128 + s
+
+    def _watch(self) -> tuple[int, int] | None:
+        while True:
+            codes = [child.poll() for child in self.children]
+            failed = next(((i, c) for i, c in enumerate(codes) if c not in (None, 0)), None)
+            if self._stop_requests and failed is not None:
+                if all(c is not None for c in codes):  # told to stop: each saves and exits on its own
+                    return failed
+            elif failed is not None:
+                self._end_others(*failed)
+                return failed
+            if all(c == 0 for c in codes):
+                return None
+            time.sleep(0.1)
+
+    def _end_others(self, index: int, code: int) -> None:
+        how = f"exited with status {code}" if code > 0 else f"was killed by {signal.Signals(-code).name}"
+        running = [c for c in self.children if c.poll() is None]
+        stopping = f"; stopping the other {len(running)} (SIGTERM, then SIGKILL after {self.grace_s:g}s)" \
+            if running else ""
+        print(f"zaya launch: process {self.first_id + index} {how}{stopping}", file=sys.stderr, flush=True)
+        self._signal_all(signal.SIGTERM)
+        deadline = time.monotonic() + self.grace_s
+        while time.monotonic() < deadline and any(c.poll() is None for c in self.children):
+            time.sleep(0.1)
+        self._signal_all(signal.SIGKILL)
+        for child in self.children:
+            child.wait()
+
+    def _on_signal(self, signum, frame) -> None:
+        self._stop_requests += 1
+        if self._stop_requests == 1:
+            print(f"zaya launch: {signal.Signals(signum).name}: asking every process to save and stop "
+                  "(again to kill them)", file=sys.stderr, flush=True)
+            self._signal_all(signal.SIGTERM)
+        else:
+            self._signal_all(signal.SIGKILL)
+
+    def _signal_all(self, sig: int) -> None:
+        for child in self.children:
+            try:
+                os.killpg(child.pid, sig)  # the whole group: nothing a process started outlives it
+            except (ProcessLookupError, PermissionError):
+                pass
+
+
+def _relay(stream, sink, prefix: str) -> None:
+    """Copy a child's output to ours, each line (or progress-bar redraw after \\r) prefixed."""
+    at_start = True
+    for chunk in iter(lambda: stream.read1(65536), b""):
+        text = chunk.decode(errors="replace")
+        pieces = re.split(r"([\r\n])", text)
+        out = []
+        for piece in pieces:
+            if piece in ("\r", "\n"):
+                out.append(piece)
+                at_start = True
+            elif piece:
+                out.append((prefix if at_start else "") + piece)
+                at_start = False
+        sink.write("".join(out))
+        sink.flush()
