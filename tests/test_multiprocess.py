@@ -1,9 +1,12 @@
 """Several CPU processes on JAX's distributed runtime (gloo), started by `zaya launch`.
 
 Each run is a real job: N processes with K fake CPU devices each, compared against one process
-holding the same devices (the same mesh and global batch). Losses are compared bit for bit: on
-these layouts the cross-process collectives (gloo) add the same values in the same order as one
-process's, so any difference is a bug in how the processes split the data or the state.
+holding the same devices (the same mesh and global batch). What is bit-identical and what is not:
+the first step's loss (the same parameters, the same rows), the data lanes' positions (which
+documents were read) and a checkpoint restored into another process count. The gradients are
+summed across processes by gloo's ring all-reduce, in another order than XLA's all-reduce inside
+one process, so from the second step on the parameters differ in their last bits (about 1e-9 on
+the Adam moments after two steps) and the losses agree to about 1e-6, not exactly.
 """
 
 import glob
@@ -72,6 +75,14 @@ def _lanes(workdir, step):
     return merged
 
 
+def _same_losses(got: dict, expected: dict, exact_first: bool = True) -> None:
+    assert got.keys() == expected.keys() and got
+    first = min(got)
+    if exact_first:  # nothing has been reduced across processes yet
+        assert got[first] == expected[first]
+    np.testing.assert_allclose([got[s] for s in sorted(got)], [expected[s] for s in sorted(got)], rtol=1e-5)
+
+
 def _model(workdir):
     path = os.path.join(workdir, "model")
     shapes = orbax_store.stored_shapes(path)
@@ -102,8 +113,8 @@ def test_processes_train_to_the_same_losses_as_one_process(tmp_path, nodes, per_
     processes = nodes * per_node
     _one(one, processes * devices, 3, *extra)
     out = _launch_nodes(many, nodes, per_node, devices, 3, *extra)
-    assert _records(many, "loss") == _records(one, "loss")
-    assert _records(many, "eval_loss") == _records(one, "eval_loss")
+    _same_losses(_records(many, "loss"), _records(one, "loss"))
+    _same_losses(_records(many, "eval_loss"), _records(one, "eval_loss"), exact_first=False)
     # Process 0 speaks: one banner and one summary, the others only their start-up.
     assert out.count("zaya train:") == 1 and out.count("done: loss") == 1
     assert all(line.startswith("[0]") for line in out.splitlines() if "done: loss" in line)
@@ -114,8 +125,9 @@ def test_processes_train_to_the_same_losses_as_one_process(tmp_path, nodes, per_
 
 
 def test_a_checkpoint_reshards_over_1_2_and_4_processes_with_no_document_repeated_or_skipped(tmp_path):
-    """Saved by 2 processes, resumed by 1 and by 4; saved by 1, resumed by 2: every run ends in the
-    uninterrupted run's model and data state (the lanes' positions in the document stream)."""
+    """Saved by 2 processes, restored by 1 and by 4 bit for bit; then resumed by 1 and by 4, and saved
+    by 1 resumed by 2: every run ends where the uninterrupted run does, having read exactly its
+    documents (each data lane at the same position of the document stream)."""
     steps, half = 4, 2
     whole = tmp_path / "whole"  # uninterrupted: one process, 4 devices
     _one(whole, 4, steps, f"--config.checkpoint.every_steps={half}", "--config.checkpoint.keep=3")
@@ -123,12 +135,17 @@ def test_a_checkpoint_reshards_over_1_2_and_4_processes_with_no_document_repeate
     _launch(saved_by_two, 2, 2, half)
     assert {"process_0-of-2.json", "process_1-of-2.json"} <= set(os.listdir(saved_by_two / "checkpoints" / str(half) / "data"))
     assert _lanes(saved_by_two, half) == _lanes(whole, half)
-    assert _records(saved_by_two, "loss") == {s: v for s, v in _records(whole, "loss").items() if s <= half}
+    _same_losses(_records(saved_by_two, "loss"), {s: v for s, v in _records(whole, "loss").items() if s <= half})
+
+    for name, restore in {"1": lambda w: _one(w, 4, half), "4": lambda w: _launch(w, 4, 1, half)}.items():
+        workdir = tmp_path / f"restored_by_{name}"  # nothing left to train: the restored state is saved as is
+        shutil.copytree(saved_by_two, workdir, ignore=shutil.ignore_patterns("model"))
+        assert "already trained to step 2" in restore(workdir).stdout
+        _same_model(_model(workdir), _model(saved_by_two), exact=True, name=f"restored by {name}")
 
     runs = {"2 → 1": (saved_by_two, lambda w: _one(w, 4, steps)),
             "2 → 4": (saved_by_two, lambda w: _launch(w, 4, 1, steps)),
             "1 → 2": (whole, lambda w: _launch(w, 2, 2, steps))}
-    expected_model = _model(whole)
     for name, (source, resume) in runs.items():
         workdir = tmp_path / name.replace(" → ", "_to_")
         shutil.copytree(source, workdir, ignore=shutil.ignore_patterns("model", str(steps)))
@@ -136,12 +153,18 @@ def test_a_checkpoint_reshards_over_1_2_and_4_processes_with_no_document_repeate
         assert f"resumed from {workdir}/checkpoints/{half} (step {half}" in out.stdout, name
         assert _lanes(workdir, steps) == _lanes(whole, steps), name
         losses = _records(workdir, "loss")
-        assert {s: losses[s] for s in range(half + 1, steps + 1)} == \
-            {s: v for s, v in _records(whole, "loss").items() if s > half}, name
-        model = _model(workdir)
-        assert model.keys() == expected_model.keys()
-        for key in model:
-            np.testing.assert_array_equal(model[key], expected_model[key], err_msg=f"{name}: {key}")
+        _same_losses({s: losses[s] for s in range(half + 1, steps + 1)},
+                     {s: v for s, v in _records(whole, "loss").items() if s > half}, exact_first=False)
+        _same_model(_model(workdir), _model(whole), exact=False, name=name)
+
+
+def _same_model(got: dict, expected: dict, exact: bool, name: str) -> None:
+    assert got.keys() == expected.keys()
+    for key in got:
+        if exact:
+            np.testing.assert_array_equal(got[key], expected[key], err_msg=f"{name}: {key}")
+        else:
+            np.testing.assert_allclose(got[key], expected[key], rtol=1e-4, atol=1e-6, err_msg=f"{name}: {key}")
 
 
 def test_sigterm_to_one_process_saves_the_same_step_in_every_process_and_resumes(tmp_path):

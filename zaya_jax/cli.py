@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import signal
 import sys
 
@@ -154,10 +155,32 @@ def main(argv: list[str] | None = None) -> int:
         return run(args, extra)
     except ZayaError as e:
         print(f"zaya: error: {e}", file=sys.stderr)
-        return e.exit_code
+        return _failed(e.exit_code)
     except KeyboardInterrupt:
         print("zaya: interrupted; no partial output was kept", file=sys.stderr)
-        return 130
+        return _failed(130)
+    except BaseException:
+        if _one_of_several():
+            import traceback
+
+            traceback.print_exc()
+            _failed(1)
+        raise
+
+
+def _one_of_several() -> bool:
+    runtime = sys.modules.get("jax._src.distributed")
+    return runtime is not None and runtime.global_state.client is not None
+
+
+def _failed(code: int) -> int:
+    """A failed process of a multi-process job leaves at once: JAX's exit handler would wait for
+    every other process at its shutdown barrier, and they may be waiting for this one."""
+    if _one_of_several():
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    return code
 
 
 if __name__ == "__main__":

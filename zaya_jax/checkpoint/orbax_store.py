@@ -57,7 +57,8 @@ def save_groups(path: str, cfg: ModelConfig, groups: Iterable[Mapping[str, np.nd
     if os.path.exists(path):
         raise ZayaError(f"{path} already exists; choose a new --out directory or remove the old one")
     metadata = {"zaya_jax": {"format_version": FORMAT_VERSION, "model_config": cfg.to_dict()}}
-    _remove_partials(path)  # left by a killed earlier run; Orbax would otherwise append to it
+    if jax.process_index() == 0:  # the others wait in Orbax's first barrier, so none has written yet
+        _remove_partials(path)  # left by a killed earlier run; Orbax would otherwise append to it
     try:
         for group in groups:
             # jax.Arrays stay on the devices: every process writes the shards it holds.

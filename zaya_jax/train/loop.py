@@ -37,6 +37,7 @@ from zaya_jax.parallel.topology import Topology
 from zaya_jax.train import compile_cache
 from zaya_jax.train import flops as flops_lib
 from zaya_jax.train import optim as optim_lib
+from zaya_jax.train import processes
 from zaya_jax.train.metrics_writer import MetricsWriter
 from zaya_jax.train.program import Program, build_program
 from zaya_jax.train.checkpoints import RunCheckpoints, check_compatible, run_meta
@@ -52,7 +53,7 @@ def prepare_workdir(workdir: str) -> str:
         raise ZayaError(f"--workdir {workdir} exists and is not a directory; choose another path")
     try:
         os.makedirs(workdir, exist_ok=True)
-        probe = os.path.join(workdir, ".zaya_write_test")
+        probe = os.path.join(workdir, f".zaya_write_test.{os.getpid()}")  # one per process: they check at once
         with open(probe, "w") as f:
             f.write("ok")
         os.remove(probe)
@@ -105,19 +106,17 @@ def save_model(program: Program, state, path: str) -> None:
             yield layer_stack.layer_entries(arrays, i, row)
 
     tmp = path + ".saving"
-    _on_process_zero(lambda: shutil.rmtree(tmp, ignore_errors=True), "zaya_model_clear")
+    timeout = program.exp.config.distributed.initialization_timeout_s
+    _on_process_zero(lambda: shutil.rmtree(tmp, ignore_errors=True), "model_clear", timeout)
     orbax_store.save_groups(tmp, program.modeldef.cfg, groups())
-    _on_process_zero(lambda: (shutil.rmtree(path, ignore_errors=True), os.replace(tmp, path)), "zaya_model_done")
+    _on_process_zero(lambda: (shutil.rmtree(path, ignore_errors=True), os.replace(tmp, path)), "model_done", timeout)
 
 
-def _on_process_zero(action, barrier: str) -> None:
+def _on_process_zero(action, name: str, timeout_s: int) -> None:
     """Run a filesystem action once, then let every process go on after it."""
     if jax.process_index() == 0:
         action()
-    if jax.process_count() > 1:
-        from jax.experimental import multihost_utils
-
-        multihost_utils.sync_global_devices(barrier)
+    processes.barrier(name, timeout_s)
 
 
 def train(exp: Experiment, workdir: str, devices=None, out=sys.stdout, topology: Topology | None = None) -> dict:
@@ -137,6 +136,7 @@ def train(exp: Experiment, workdir: str, devices=None, out=sys.stdout, topology:
     eval_batch_size = _eval_batch_size(program)
     data = build_data(exp)
     iterator = data.train_iterator(program.data_lanes())
+    processes.use_coordination_barriers()  # before Orbax's first barrier
     checkpoints = RunCheckpoints(os.path.join(workdir, "checkpoints"), c.checkpoint.keep, c.checkpoint.async_save)
     try:
         return _run(exp, program, data, iterator, checkpoints, workdir, eval_batch_size, started, out, topology)
@@ -163,7 +163,9 @@ def _run(exp, program, data, iterator, checkpoints, workdir, eval_batch_size, st
     with compile_cache.Hits() as hits:
         compiled, summary["compile_sec"] = program.compile_train_step()
     summary["compile_cache_hit"] = hits.count > 0
-    eval_step = program.jitted_eval_step()
+    eval_step = program.compile_eval_step(eval_batch_size) if c.eval.batches else None
+    # gloo gives up on a collective whose peers arrive 30 s apart: start the first step together.
+    processes.barrier("compiled", c.distributed.initialization_timeout_s)
     where = compile_cache.directory(c.train.compile_cache, workdir)
     source = f"loaded the train step from the compilation cache {where}" if hits.count else \
         f"compiled the train step{'' if where is None else ' (cached in ' + where + ')'}"

@@ -94,11 +94,12 @@ class Program:
 
         return jax.tree_util.tree_map_with_path(pick, self._abstract)
 
-    def abstract_batch(self) -> dict[str, jax.ShapeDtypeStruct]:
+    def abstract_batch(self, eval_size: int | None = None) -> dict[str, jax.ShapeDtypeStruct]:
+        """A train step's batch ([A, micro, S]), or with `eval_size` a held-out batch ([size, S])."""
         c = self.exp.config.train
-        shape = (c.grad_accum_steps, self.micro_batch, c.seq_len)
+        shape = (c.grad_accum_steps, self.micro_batch, c.seq_len) if eval_size is None else (eval_size, c.seq_len)
         dtypes = {"loss_mask": jnp.float32}
-        sharding = self.batch_sharding()
+        sharding = self.batch_sharding(accumulated=eval_size is None)
         return {k: jax.ShapeDtypeStruct(shape, dtypes.get(k, jnp.int32), sharding=sharding) for k in BATCH_KEYS}
 
     # ---- programs ---------------------------------------------------------------------------
@@ -199,6 +200,11 @@ class Program:
         by micro-batch: the rows `place_batch` takes, in its order."""
         micro = self.micro_batch
         return [a * micro + r for a in range(self.exp.config.train.grad_accum_steps) for r in self.local_rows(micro)]
+
+    def compile_eval_step(self, size: int):
+        """The held-out step AOT-compiled for [size, S] batches (so no process compiles mid-run)."""
+        state = self.placed_abstract_state()
+        return self.jitted_eval_step().trace(state.params, state.biases, self.abstract_batch(size)).lower().compile()
 
     def place_batch(self, batch: dict) -> dict:
         """This process's rows of a train step (`data_lanes()` order) → global [A, micro, S] arrays."""
