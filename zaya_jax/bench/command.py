@@ -8,7 +8,6 @@ checks it and tells the others. Every process runs the collectives; process 0 pr
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import re
 
@@ -142,20 +141,6 @@ def _agree_out_writable(path: str, lead: bool) -> None:
         raise ZayaError(problem)
 
 
-def write_records(path: str, records: list[dict]) -> None:
-    """Through a temporary file, so a failure never leaves half a file at `path`."""
-    tmp = f"{path}.tmp{os.getpid()}"
-    try:
-        with open(tmp, "w") as f:  # one record a line: easy to read, diff and concatenate
-            f.write("[\n" + ",\n".join(json.dumps(r) for r in records) + "\n]\n")
-        os.replace(tmp, path)
-    except OSError as e:
-        raise ZayaError(f"cannot write {path}: {e.strerror}; choose another --out") from None
-    finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
-
-
 def human(nbytes: int) -> str:
     for unit, size in (("GiB", GIB), ("MiB", MIB), ("KiB", KIB)):
         if nbytes >= size and nbytes % size == 0:
@@ -214,6 +199,8 @@ def run(args, extra: list[str], devices=None, topology=None) -> int:
             if lead:
                 print(row(r), flush=True)
     if lead:
-        write_records(args.out, records)
+        from zaya_jax.explore.report import write_json_lines
+
+        write_json_lines(args.out, records)
         print(f"wrote {args.out} ({len(records)} records); use it with zaya mesh --collectives={args.out}")
     return 0

@@ -58,7 +58,7 @@ def write_json(path: str, predictions: list[Prediction], xla: dict | None = None
             row["xla"] = xla[describe(p.layout)]
         rows.append(row)
     # One layout per line: a thousand layouts stay greppable and diffable.
-    _write(path, lambda f: f.write("[\n" + ",\n".join(json.dumps(r) for r in rows) + "\n]\n"))
+    write_json_lines(path, rows)
 
 
 def write_plot(path: str, predictions: list[Prediction], run: Run) -> None:
@@ -83,7 +83,7 @@ def write_plot(path: str, predictions: list[Prediction], run: Run) -> None:
     ax.set_ylabel("predicted memory per device (GiB)")
     ax.set_title(f"{run.nodes} x {run.gpus_per_node} {run.hw.name}, {run.seq_len} tokens x {run.global_batch}")
     ax.legend(fontsize=8)
-    _write(path, lambda f: fig.savefig(f, format="png", dpi=120), binary=True)
+    write_atomic(path, lambda f: fig.savefig(f, format="png", dpi=120), binary=True)
     plt.close(fig)
 
 
@@ -94,7 +94,12 @@ def check_writable(path: str) -> None:
         raise ZayaError(f"cannot write {path}: folder {folder} does not exist")
 
 
-def _write(path: str, dump, binary: bool = False) -> None:
+def write_json_lines(path: str, records: list[dict]) -> None:
+    """A JSON list with one record a line (easy to read, diff and concatenate), written atomically."""
+    write_atomic(path, lambda f: f.write("[\n" + ",\n".join(json.dumps(r) for r in records) + "\n]\n"))
+
+
+def write_atomic(path: str, dump, binary: bool = False) -> None:
     """Write through a temporary file, so a failure never leaves half a file at `path`."""
     check_writable(path)
     tmp = path + ".tmp"

@@ -20,7 +20,6 @@ import os
 import shutil
 import sys
 import time
-from contextlib import nullcontext
 
 import jax
 import numpy as np
@@ -182,7 +181,9 @@ def _run(exp, program, data, iterator, checkpoints, workdir, eval_batch_size, st
             state, metrics = compiled(state, program.place_batch(batch))
             done = step + 1
             bar.advance()
-            if primary and (done % c.train.log_every == 0 or done == c.train.steps or step == start):
+            # Every process waits for the loss here (only process 0 writes it): this bounds how
+            # many steps any process queues ahead of the devices.
+            if done % c.train.log_every == 0 or done == c.train.steps or step == start:
                 record = timer.record(jax.device_get(metrics), done)
                 writer.write(done, record)
                 bar.show(record)
@@ -245,7 +246,7 @@ def _finish(program, state, summary, started, workdir, out, timer) -> dict:
     save_model(program, state, final)
     summary.update(timer.summary() if timer else {"tokens_per_sec": float("nan"), "mfu": None},
                    wall_sec=time.perf_counter() - started, model_dir=final)
-    if timer and summary["first_loss"] is not None:  # process 0 read the losses; the others stay quiet
+    if timer:
         _report(out, summary, workdir)
     return summary
 
