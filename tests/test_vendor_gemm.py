@@ -153,7 +153,7 @@ def recording_start(platform):
     return start(platform)
 xla_bridge._init_backend = recording_start
 registry.machine_target = lambda: (jax.devices(), "cuda")[1]  # starts JAX, as the real one does
-def train(exp, workdir):
+def train(exp, workdir, **placement):
     seen["moe_kernel"] = exp.model.moe_kernel
     return {{"stopped_by": None}}
 loop.train = train
@@ -201,6 +201,7 @@ def test_train_step_with_cudnn_experts_lowers_for_cuda_with_no_pallas_grouped_ma
 
 
 def test_banner_names_the_vendor_gemm_and_its_flag(monkeypatch):
+    from zaya_jax.parallel.topology import Topology
     from zaya_jax.train import loop
 
     monkeypatch.setenv("XLA_FLAGS", f"{os.environ.get('XLA_FLAGS', '')} {CUDNN_FLAG}")
@@ -208,7 +209,7 @@ def test_banner_names_the_vendor_gemm_and_its_flag(monkeypatch):
 
     program = program_for_target(TINY, ["--config.model.moe_kernel=cudnn"], "cuda", jax.devices()[:1])
     out = io.StringIO()
-    loop._banner(out, program.exp, program, types.SimpleNamespace(describe=lambda: "docs"), "/w", None)
+    loop._banner(out, program.exp, program, types.SimpleNamespace(describe=lambda: "docs"), "/w", None, Topology())
     line = next(l for l in out.getvalue().splitlines() if l.startswith("  kernels"))
     assert line == (f"  kernels attention pallas, experts cudnn (XLA ragged_dot → cuDNN grouped GEMM; {CUDNN_FLAG}), "
                     "norm pallas")

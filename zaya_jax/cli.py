@@ -68,7 +68,7 @@ config overrides (absl / ml_collections config_flags style), any number of:
                           --config.model.attention_kernel=pallas (also moe_kernel, norm_kernel:
                           auto | reference | xla | pallas; moe_kernel also cudnn on NVIDIA,
                           hipblaslt on ROCm: XLA's ragged_dot on the vendor's grouped GEMM)
-  Keys: train.* eval.* checkpoint.* model.* (HF ZayaConfig names) mesh.* data.* optim.*;
+  Keys: train.* eval.* checkpoint.* model.* (HF ZayaConfig names) mesh.* data.* optim.* distributed.*;
   see zaya_jax/experiment/schema.py for every key and its default.
 
 layouts: mesh.data, mesh.fsdp, mesh.expert, mesh.tsp, mesh.tensor, mesh.sequence (1 = unused,
@@ -77,13 +77,17 @@ layouts: mesh.data, mesh.fsdp, mesh.expert, mesh.tsp, mesh.tensor, mesh.sequence
 
 outputs in WORKDIR: metrics.jsonl (one JSON object per logged step), tensorboard/ (event files),
 model/ (the trained model: zaya_jax.load or zaya convert to-hf), checkpoints/ (the full train state:
-every checkpoint.every_steps, at the end and on SIGTERM/SIGINT; rerun the same command to resume)."""
+every checkpoint.every_steps, at the end and on SIGTERM/SIGINT; rerun the same command to resume).
+
+several processes: zaya launch -n N [--cpu-devices K] -- train ..., srun (SLURM), or the flags above;
+  process 0 writes the outputs, every process its checkpoint shards (README: Running on a cluster)."""
 
 
 def _add_train(jobs) -> None:
     train = jobs.add_parser(
         "train", help="train a ZAYA1 model from an experiment config",
-        description="Train a ZAYA1 model from an experiment config on all local devices.",
+        description="Train a ZAYA1 model from an experiment config on all devices of this process, or of the "
+                    "job when it is one of several processes.",
         epilog=TRAIN_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
     train.add_argument("--config", required=True, metavar="FILE", help="experiment file, e.g. experiments/tiny_cpu.py")
     train.add_argument("--workdir", required=True, metavar="DIR", help="where metrics, logs and checkpoints go")
