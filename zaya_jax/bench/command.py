@@ -174,7 +174,7 @@ def run(args, extra: list[str], devices=None, topology=None) -> int:
     from zaya_jax.parallel.mesh import build_mesh, resolve_axis_sizes
     from zaya_jax.parallel.topology import Topology
 
-    topology = topology or Topology((0,) * jax.process_count())
+    topology = topology or Topology.one_node(jax.process_count())
     devices = topology.order(devices if devices is not None else jax.devices())
     per_node = topology.devices_per_node(devices)
     nodes = len(devices) // per_node

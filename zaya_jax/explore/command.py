@@ -67,8 +67,8 @@ def _validation_devices(args):
     from zaya_jax.cluster import startup
 
     n = args.nodes * args.gpus_per_node
-    settings = startup.settings_from(args)
-    if not (settings.explicit or startup.detected_cluster()):
+    topology = startup.start(startup.settings_from(args))  # alone, it starts nothing (no JAX backend)
+    if topology.process_count == 1:
         if n > MAX_VALIDATE_DEVICES:
             raise ZayaError(f"--validate compiles on {n} fake CPU devices here; ask for at most "
                             f"{MAX_VALIDATE_DEVICES} (e.g. --nodes=1): a node has the same per-device shapes")
@@ -76,7 +76,6 @@ def _validation_devices(args):
         return None
     import jax
 
-    topology = startup.start(settings)
     devices = topology.order(jax.devices())
     if len(devices) != n:
         raise ZayaError(f"--validate in this {topology.process_count}-process job compiles on its {len(devices)} "

@@ -31,6 +31,11 @@ class Topology:
             rank.setdefault(host, len(rank))
         return cls(tuple(rank[h] for h in hosts))
 
+    @classmethod
+    def one_node(cls, processes: int) -> "Topology":
+        """Every process on one machine: the view of a run that was not told otherwise."""
+        return cls((0,) * processes)
+
     @property
     def nodes(self) -> int:
         return len(set(self.node_of_process))

@@ -125,7 +125,7 @@ def train(exp: Experiment, workdir: str, devices=None, out=sys.stdout, topology:
     the defaults are this process's view: all devices, one node."""
     started = time.perf_counter()
     xla_flags.require(exp.model)  # set by validation already; a no-op then (or too late: one sentence)
-    topology = topology or Topology((0,) * jax.process_count())
+    topology = topology or Topology.one_node(jax.process_count())
     if jax.process_index() != 0:
         out = open(os.devnull, "w")  # noqa: SIM115 — process 0 speaks; errors still reach stderr
     workdir = prepare_workdir(workdir)
@@ -227,9 +227,9 @@ def _resume_or_init(program: Program, checkpoints: RunCheckpoints, iterator, met
     check_compatible(saved, meta, where)
     same_data = saved["data"] == meta["data"]
     state = checkpoints.restore(step, program.placed_abstract_state(), iterator if same_data else None)
-    processes = "" if saved["process_count"] == meta["process_count"] else \
+    resharded = "" if saved["process_count"] == meta["process_count"] else \
         f"; saved by {saved['process_count']} process(es), resharded over {meta['process_count']}"
-    print(f"resumed from {where} (step {step}{processes})", file=out, flush=True)
+    print(f"resumed from {where} (step {step}{resharded})", file=out, flush=True)
     if not same_data:
         print("  the data settings changed since that checkpoint: the data pipeline starts from the "
               "beginning of the new settings", file=out, flush=True)

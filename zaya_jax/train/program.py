@@ -53,6 +53,7 @@ class Program:
         # The mesh's schedules run the layers; they look at which axes are split when traced.
         self.step_cfg = StepConfig(remat=c.train.remat, scan_layers=c.train.scan_layers,
                                    scan_unroll=c.train.scan_unroll, vocab_chunk=c.train.loss_vocab_chunk, layout=MESH)
+        self._rows: dict[int, list[int]] = {}  # local_rows by batch size: asked every step
         self._abstract = jax.eval_shape(self._init)  # traced once: shardings and AOT compile share it
         self.state_shardings = self._state_shardings()
         self._train_step = None
@@ -189,11 +190,13 @@ class Program:
 
         Processes whose devices split only sequence, tsp or tensor of the same rows hold, and so
         read, the same rows; the others hold disjoint ones."""
-        shape = (rows, self.exp.config.train.seq_len)
-        held = set()
-        for index in self.batch_sharding(accumulated=False).addressable_devices_indices_map(shape).values():
-            held.update(range(*index[0].indices(rows)))
-        return sorted(held)
+        if rows not in self._rows:
+            shape = (rows, self.exp.config.train.seq_len)
+            held = set()
+            for index in self.batch_sharding(accumulated=False).addressable_devices_indices_map(shape).values():
+                held.update(range(*index[0].indices(rows)))
+            self._rows[rows] = sorted(held)
+        return self._rows[rows]
 
     def data_lanes(self) -> list[int]:
         """The lanes (rows of the global batch, `data/lanes.py`) this process reads, micro-batch
@@ -211,8 +214,9 @@ class Program:
         c = self.exp.config.train
         shape = (c.grad_accum_steps, self.micro_batch, c.seq_len)
         rows = self.local_rows(self.micro_batch)
+        sharding = self.batch_sharding()
         local = {k: v.reshape(c.grad_accum_steps, len(rows), *v.shape[1:]) for k, v in batch.items()}
-        return {k: _global_array(local[k], shape, self.batch_sharding(), rows, 1) for k in BATCH_KEYS}
+        return {k: _global_array(local[k], shape, sharding, rows, 1) for k in BATCH_KEYS}
 
     def place_eval_batch(self, batch: dict, size: int) -> dict:
         """This process's rows (`local_rows(size)` order) of a [size, S] held-out batch → global arrays."""

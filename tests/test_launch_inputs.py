@@ -1,0 +1,42 @@
+"""Bad `zaya launch` flags and bad start-up settings: one `zaya: error:` line, exit 2, nothing started."""
+
+import os
+
+import pytest
+
+from zaya_jax.cli import main
+
+TINY = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "experiments", "tiny_cpu.py")
+
+
+@pytest.mark.parametrize("argv,needle", [
+    (["launch", "-n", "0", "--", "train"], "zaya launch -n must be at least 1, got 0"),
+    (["launch", "-n", "2", "--nodes", "2", "--node-rank", "2", "--coordinator-address", "h:1", "--", "train"],
+     "--node-rank 2 is not below --nodes 2"),
+    (["launch", "-n", "2", "--nodes", "2", "--", "train"], "with --nodes > 1 every node needs the same --coordinator-address"),
+    (["launch", "-n", "2", "--cpu-devices", "0", "--", "train"], "zaya launch --cpu-devices must be at least 1, got 0"),
+    (["launch", "-n", "2", "--grace-s", "-1", "--", "train"], "zaya launch --grace-s must be at least 0, got -1.0"),
+    (["launch", "-n", "2"], "zaya launch needs a command after --"),
+    (["launch", "-n", "2", "--", "launch", "-n", "2"], "zaya launch cannot launch itself"),
+], ids=["no processes", "rank outside nodes", "nodes without coordinator", "no cpu devices", "negative grace",
+        "no command", "launch itself"])
+def test_bad_launch_flags_are_one_line_and_exit_2(capsys, argv, needle):
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("zaya: error: ") and needle in err[0]
+
+
+@pytest.mark.parametrize("env,overrides,needle", [
+    ({"JAX_LOCAL_DEVICE_IDS": "0,x"}, [], "--local-device-ids / JAX_LOCAL_DEVICE_IDS must be device numbers"),
+    ({"JAX_PROCESS_ID": "-1"}, [], "--process-id / JAX_PROCESS_ID must be an integer >= 0, got '-1'"),
+    ({}, ["--config.distributed.heartbeat_timeout_s=0"], "distributed.heartbeat_timeout_s must be at least 1 second"),
+    ({}, ["--config.distributed.initialization_timeout_s=0"],
+     "distributed.initialization_timeout_s must be at least 1 second"),
+], ids=["device ids", "negative id", "heartbeat timeout", "initialization timeout"])
+def test_bad_start_up_settings_are_one_line_and_exit_2(capsys, monkeypatch, tmp_path, env, overrides, needle):
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    argv = ["train", f"--config={TINY}", f"--workdir={tmp_path}", *overrides]
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("zaya: error: ") and needle in err[0]
