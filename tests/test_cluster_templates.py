@@ -52,6 +52,27 @@ def test_slurm_script(values, tmp_path):
     assert all(e.startswith("--config.") for e in extra), extra
 
 
+FAKE = {"srun": "#!/bin/bash\nexit $FAKE_STATUS\n",
+        "scontrol": "#!/bin/bash\necho \"$@\" >> \"$FAKE_LOG\"\n"}
+
+
+@pytest.mark.parametrize("status,restarts,requeued", [
+    (0, 0, False), (1, 0, True), (3, 4, True), (137, 0, True), (1, 5, False), (2, 0, False), (4, 0, False),
+    (143, 0, False)])
+def test_slurm_script_requeues_by_the_exit_status_contract(tmp_path, status, restarts, requeued):
+    """The rendered script, run with stand-ins for srun (exits with the run's status) and scontrol."""
+    for name, body in FAKE.items():
+        (tmp_path / name).write_text(body)
+        (tmp_path / name).chmod(0o755)
+    (tmp_path / "job.sbatch").write_text(render("slurm", max_restarts=5))
+    env = {"PATH": f"{tmp_path}:/usr/bin:/bin", "FAKE_STATUS": str(status), "FAKE_LOG": str(tmp_path / "log"),
+           "SLURM_JOB_ID": "77", "SLURM_RESTART_COUNT": str(restarts)}
+    done = subprocess.run(["bash", str(tmp_path / "job.sbatch")], env=env, capture_output=True, text=True)
+    assert done.returncode == status
+    calls = (tmp_path / "log").read_text().splitlines() if (tmp_path / "log").exists() else []
+    assert calls == (["requeue 77"] if requeued else [])
+
+
 def test_slurm_set_options():
     script = render("slurm", partition="gpu", account="proj1", time="02:00:00")
     for line in ("#SBATCH --partition=gpu", "#SBATCH --account=proj1", "#SBATCH --time=02:00:00"):
@@ -83,6 +104,13 @@ def test_k8s_jobset(values):
     job = replicated["template"]["spec"]
     assert job["parallelism"] == job["completions"] == nodes
     assert job["completionMode"] == "Indexed"
+    # Exit statuses 2 and 4 never restart (zaya_jax/exit_codes.py): they fail the Job, which fails the JobSet.
+    [rule] = job["podFailurePolicy"]["rules"]
+    assert (rule["action"], rule["onExitCodes"]["operator"], rule["onExitCodes"]["values"]) == ("FailJob", "In", [2, 4])
+    assert rule["onExitCodes"]["containerName"] == "zaya"
+    policy = jobset["spec"]["failurePolicy"]
+    assert policy["maxRestarts"] == want["max_restarts"]
+    assert policy["rules"] == [{"action": "FailJobSet", "onJobFailureReasons": ["PodFailurePolicy"]}]
     pod = job["template"]["spec"]
     [container] = pod["containers"]
     assert container["image"] == want["image"]

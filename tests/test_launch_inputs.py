@@ -18,8 +18,12 @@ TINY = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
     (["launch", "-n", "2", "--grace-s", "-1", "--", "train"], "zaya launch --grace-s must be at least 0, got -1.0"),
     (["launch", "-n", "2"], "zaya launch needs a command after --"),
     (["launch", "-n", "2", "--", "launch", "-n", "2"], "zaya launch cannot launch itself"),
+    (["launch", "-n", "2", "--max-restarts", "-1", "--", "train"], "--max-restarts must be at least 0, got -1"),
+    (["launch", "-n", "2", "--restart-backoff-s", "-2", "--", "train"], "--restart-backoff-s must be at least 0"),
+    (["launch", "-n", "2", "--nodes", "2", "--coordinator-address", "h:1", "--max-restarts", "2", "--", "train"],
+     "--max-restarts supervises a one-node job; across nodes let the scheduler restart the job"),
 ], ids=["no processes", "rank outside nodes", "nodes without coordinator", "no cpu devices", "negative grace",
-        "no command", "launch itself"])
+        "no command", "launch itself", "negative restarts", "negative backoff", "restarts across nodes"])
 def test_bad_launch_flags_are_one_line_and_exit_2(capsys, argv, needle):
     assert main(argv) == 2
     err = capsys.readouterr().err.strip().splitlines()

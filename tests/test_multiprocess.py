@@ -203,7 +203,7 @@ def test_killing_one_process_ends_the_others_and_leaves_no_orphan(tmp_path):
     finally:
         launcher.kill()
     assert launcher.returncode == 128 + signal.SIGKILL
-    assert "zaya launch: process 1 was killed by SIGKILL; stopping the other 1" in err
+    assert "zaya launch: process 1 was killed by SIGKILL (137); stopping the other 1" in err
     assert took < 2 + 10  # the grace period, then SIGKILL
     for pid in pids:
         with pytest.raises(ProcessLookupError):

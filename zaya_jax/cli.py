@@ -4,10 +4,28 @@ from __future__ import annotations
 
 import argparse
 import os
-import signal
 import sys
+import time
 
 from zaya_jax.errors import ZayaError
+
+
+
+def _process_started_at() -> float:
+    """Wall time this process started (Linux: from /proc, before the interpreter and imports ran);
+    elsewhere, now. The startup span of the event log begins here."""
+    try:
+        with open("/proc/self/stat") as f:
+            ticks = int(f.read().rsplit(")", 1)[1].split()[19])
+        with open("/proc/stat") as f:
+            boot = next(int(line.split()[1]) for line in f if line.startswith("btime"))
+        started = boot + ticks / os.sysconf("SC_CLK_TCK")
+        return started if abs(started - time.time()) < 3600 else time.time()
+    except (OSError, ValueError, IndexError, StopIteration):
+        return time.time()
+
+
+STARTED_AT = _process_started_at()
 
 
 def _size(text: str) -> int:
@@ -58,6 +76,10 @@ def build_parser() -> argparse.ArgumentParser:
     from zaya_jax.bench.command import add_parser as add_bench
 
     add_bench(jobs)
+    report = jobs.add_parser("report", help="a run's goodput: productive step time, time lost per cause, incidents",
+                             description="Read WORKDIR/events.jsonl (every attempt of a run) and print its goodput.")
+    report.add_argument("workdir", metavar="WORKDIR", help="the --workdir of a zaya train run")
+    report.add_argument("--json", action="store_true", help="print the summary as one JSON object")
     return parser
 
 
@@ -68,7 +90,7 @@ config overrides (absl / ml_collections config_flags style), any number of:
                           --config.model.attention_kernel=pallas (also moe_kernel, norm_kernel:
                           auto | reference | xla | pallas; moe_kernel also cudnn on NVIDIA,
                           hipblaslt on ROCm: XLA's ragged_dot on the vendor's grouped GEMM)
-  Keys: train.* eval.* checkpoint.* model.* (HF ZayaConfig names) mesh.* data.* optim.* distributed.*;
+  Keys: train.* eval.* checkpoint.* model.* (HF ZayaConfig names) mesh.* data.* optim.* distributed.* fault.*;
   see zaya_jax/experiment/schema.py for every key and its default.
 
 layouts: mesh.data, mesh.fsdp, mesh.expert, mesh.tsp, mesh.tensor, mesh.sequence (1 = unused,
@@ -80,7 +102,11 @@ model/ (the trained model: zaya_jax.load or zaya convert to-hf), checkpoints/ (t
 every checkpoint.every_steps, at the end and on SIGTERM/SIGINT; rerun the same command to resume).
 
 several processes: zaya launch -n N [--cpu-devices K] -- train ..., srun (SLURM), or the flags above;
-  process 0 writes the outputs, every process its checkpoint shards (README: Running on a cluster)."""
+  process 0 writes the outputs, every process its checkpoint shards (README: Running on a cluster).
+
+faults: events.jsonl (zaya report WORKDIR: goodput), a hang watchdog, bad steps skipped and rolled back;
+  exit status 0 done, 1 crashed, 2 bad input, 3 hung, 4 repeated bad steps, 143 saved on SIGTERM
+  (README: Surviving faults; zaya launch --max-restarts restarts on 1, 3 and signals)."""
 
 
 def _add_train(jobs) -> None:
@@ -104,16 +130,36 @@ def _train(args: argparse.Namespace, extra: list[str]) -> int:
     from zaya_jax.cluster import startup
     from zaya_jax.experiment.load import load_values, unflatten
     from zaya_jax.experiment.validate import validate
+    from zaya_jax.train.events import Attempt
     from zaya_jax.train.loop import train
 
+    attempt = Attempt.from_environ(os.environ, STARTED_AT)
     values, source = load_values(args.config, extra)
     topology = startup.start(startup.settings_from(
         args, initialization_timeout_s=values["distributed.initialization_timeout_s"],
         heartbeat_timeout_s=values["distributed.heartbeat_timeout_s"]))
     exp = validate(unflatten(values), source=source)
-    summary = train(exp, args.workdir, devices=topology.order(jax.devices()), topology=topology)
-    if summary["stopped_by"]:  # saved and stopped early: tell the scheduler it did not finish
-        return 128 + getattr(signal, summary["stopped_by"]).value
+    summary = train(exp, args.workdir, devices=topology.order(jax.devices()), topology=topology, attempt=attempt)
+    return summary["exit_code"]  # stopped early: tell the supervisor how (zaya_jax/exit_codes.py)
+
+
+def _report(args: argparse.Namespace, extra: list[str]) -> int:
+    import json
+
+    from zaya_jax.train import goodput
+    from zaya_jax.train.events import read_events
+
+    if extra:
+        raise ZayaError(f"unrecognized arguments: {' '.join(extra)}")
+    events = read_events(args.workdir)
+    summary = goodput.summarize(events)
+    if args.json:
+        print(json.dumps(summary))
+        return 0
+    state = "finished" if summary["finished"] else "not finished (running, stopped or failed)"
+    print(f"zaya report: {os.path.abspath(args.workdir)}: {state}")
+    for line in goodput.table(summary) + goodput.incidents(events):
+        print(f"  {line}")
     return 0
 
 
@@ -135,10 +181,12 @@ def run(args: argparse.Namespace, extra: list[str]) -> int:
         return run_template(args, extra)
     if args.command == "train":
         return _train(args, extra)
+    if args.command == "report":
+        return _report(args, extra)
     if args.command == "launch":
         from zaya_jax.cluster.launcher import run as run_launch
 
-        return run_launch(args, extra)
+        return run_launch(args, extra, started_at=STARTED_AT)
     if extra:
         raise ZayaError(f"unrecognized arguments: {' '.join(extra)}")
     if args.command == "convert":
@@ -172,6 +220,23 @@ def main(argv: list[str] | None = None) -> int:
         raise
 
 
+def entry() -> None:
+    """The `zaya` command. After `zaya train` (or `zaya launch`, its children gone) has written everything (checkpoints closed, metrics
+    and events flushed), the process leaves without the interpreter's teardown of JAX, Orbax and
+    TensorBoard (about a second, nothing left to save; in a job, after JAX's shutdown barrier), so
+    the run's event log accounts for its whole life."""
+    code = main()
+    if sys.argv[1:2] in (["train"], ["launch"]):
+        if _one_of_several():
+            import jax
+
+            jax.distributed.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    sys.exit(code)
+
+
 def _one_of_several() -> bool:
     runtime = sys.modules.get("jax._src.distributed")
     return runtime is not None and runtime.global_state.client is not None
@@ -188,4 +253,4 @@ def _failed(code: int) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    entry()

@@ -26,6 +26,7 @@ DEFAULTS = {
     "job_name": "zaya1-base-p1",
     "port": 8476,  # JAX's coordinator (pod 0); under SLURM JAX derives one from the job id
     "grace_s": 300,  # SIGTERM → checkpoint → exit: longer than one save plus one step
+    "max_restarts": 5,  # the scheduler restarts a failed job this often (zaya_jax/exit_codes.py)
     "partition": "",  # SLURM: empty = the cluster's default
     "account": "",
     "time": "24:00:00",
@@ -37,7 +38,7 @@ DEFAULTS = {
 }
 
 _NUMBERS = {"nodes": (1, None), "gpus_per_node": (1, None), "grace_s": (1, None), "cpus_per_task": (1, None),
-            "port": (1, 65535)}
+            "port": (1, 65535), "max_restarts": (0, None)}
 _MAY_BE_EMPTY = {"partition", "account"}
 _SAFE = re.compile(r"[A-Za-z0-9._/+:@%,=-]+")  # nothing a shell or YAML would reinterpret
 _DNS_LABEL = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?")

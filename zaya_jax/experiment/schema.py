@@ -2,7 +2,7 @@
 
 `base_config(preset)` is where experiment files start: it returns an `ml_collections.ConfigDict`
 holding every stable key (`train.*`, `eval.*`, `checkpoint.*`, `model.*`, `mesh.*`, `data.*`,
-`optim.*`, `distributed.*`) with a documented default. An experiment overrides values; it never adds keys, so
+`optim.*`, `distributed.*`, `fault.*`) with a documented default. An experiment overrides values; it never adds keys, so
 scripts and sweeps can rely on every name here. `model.*` uses Hugging Face `ZayaConfig` names.
 """
 
@@ -103,6 +103,20 @@ def _distributed() -> dict:
     )
 
 
+def _fault() -> dict:
+    # Surviving faults (README: Surviving faults); exit statuses in zaya_jax/exit_codes.py.
+    return dict(
+        hang_timeout_sec=1800,  # no step progress this long: dump every thread's stack, exit 3 (0 = off)
+        io_timeout_sec=3600,  # the same for a checkpoint restore or save, the final model save (0 = off)
+        spike_sigmas=6.0,  # a loss or grad norm this many std devs above the recent mean is a bad step (0 = off)
+        spike_window=128,  # good steps the spike rule looks back over (and waits for)
+        max_consecutive_bad_steps=8,  # this many bad steps in a row: act (fault.on_bad_steps); 0 = never
+        on_bad_steps="rollback",  # rollback (to the newest checkpoint, past the bad data) | stop (exit 4)
+        max_rollbacks=3,  # rollbacks in one run before it stops instead (exit 4)
+        drill="",  # fault drill, first attempt only: e.g. "hang:process=1,step=5,sec=600; nan:step=3,steps=2"
+    )
+
+
 def _mesh() -> dict:
     # 1 = unused; one axis may be -1 to take all remaining devices.
     return dict(data=-1, fsdp=1, expert=1, tsp=1, tensor=1, sequence=1)
@@ -113,5 +127,5 @@ def base_config(preset: str = "tiny_cpu") -> ml_collections.ConfigDict:
     model = dataclasses.asdict(model_preset(preset))
     return ml_collections.ConfigDict(
         dict(train=_train(), eval=_eval(), checkpoint=_checkpoint(), optim=_optim(), data=_data(),
-             mesh=_mesh(), distributed=_distributed(), model=model)
+             mesh=_mesh(), distributed=_distributed(), fault=_fault(), model=model)
     )

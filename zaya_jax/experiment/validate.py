@@ -36,7 +36,7 @@ def validate(values: dict[str, Any], source: str) -> Experiment:
     except ZayaError as e:
         raise ZayaError(f"{source}: {e}") from None
     config = ml_collections.ConfigDict(values)
-    for check in (_train, _eval, _checkpoint, _optim, _data, _mesh, _kernels):
+    for check in (_train, _eval, _checkpoint, _optim, _fault, _data, _mesh, _kernels):
         message = check(config, model)
         if message:
             raise ZayaError(f"{source}: {message}")
@@ -102,6 +102,29 @@ def _optim(c, model) -> str | None:
         (o.balance_lr >= 0, f"optim.balance_lr must be >= 0, got {o.balance_lr}"),
     ]
     return next((msg for ok, msg in checks if not ok), None)
+
+
+def _fault(c, model) -> str | None:
+    f = c.fault
+    checks = [
+        (f.hang_timeout_sec >= 0 and f.io_timeout_sec >= 0,
+         "fault.hang_timeout_sec and fault.io_timeout_sec must be >= 0 (0 = no watchdog)"),
+        (f.spike_sigmas >= 0, f"fault.spike_sigmas must be >= 0 (0 = only NaN/inf are bad), got {f.spike_sigmas}"),
+        (f.spike_window >= 1, f"fault.spike_window must be >= 1, got {f.spike_window}"),
+        (f.max_consecutive_bad_steps >= 0 and f.max_rollbacks >= 0,
+         "fault.max_consecutive_bad_steps and fault.max_rollbacks must be >= 0"),
+        (f.on_bad_steps in ("rollback", "stop"), f"fault.on_bad_steps must be 'rollback' or 'stop', got {f.on_bad_steps!r}"),
+    ]
+    message = next((msg for ok, msg in checks if not ok), None)
+    if message:
+        return message
+    from zaya_jax.drills import parse
+
+    try:
+        parse(f.drill)
+    except ZayaError as e:
+        return str(e)
+    return None
 
 
 def _data(c, model: ModelConfig) -> str | None:

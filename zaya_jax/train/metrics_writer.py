@@ -16,6 +16,7 @@ In a multi-process run only process 0 writes (`enabled=False` elsewhere): one fi
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 from typing import Any, Iterator
@@ -24,6 +25,9 @@ import numpy as np
 from tensorboardX import SummaryWriter
 
 from zaya_jax.errors import ZayaError
+
+# tensorboardX warns at every NaN it writes; a skipped bad step writes one on purpose.
+logging.getLogger("tensorboardX.x2num").setLevel(logging.ERROR)
 
 JSONL_NAME = "metrics.jsonl"
 TENSORBOARD_DIR = "tensorboard"

@@ -30,7 +30,7 @@ from zaya_jax.kernels.registry import device_target, resolve, targeting
 from zaya_jax.parallel.mesh import mesh_for
 from zaya_jax.parallel.mesh_layout import MESH
 from zaya_jax.parallel.rules import named_sharding, spread_matrices
-from zaya_jax.train import balancing
+from zaya_jax.train import bad_steps, balancing
 from zaya_jax.train.model_state import ModelDef, init_arrays, model_def
 from zaya_jax.train.optim import build_optimizer
 from zaya_jax.train.step import (BATCH_KEYS, StepConfig, TrainState, init_state, make_eval_step,
@@ -52,7 +52,8 @@ class Program:
         self.balance_tx = balancing.balancer(c.optim.balance_lr, c.optim.balance_b1, c.optim.balance_b2)
         # The mesh's schedules run the layers; they look at which axes are split when traced.
         self.step_cfg = StepConfig(remat=c.train.remat, scan_layers=c.train.scan_layers,
-                                   scan_unroll=c.train.scan_unroll, vocab_chunk=c.train.loss_vocab_chunk, layout=MESH)
+                                   scan_unroll=c.train.scan_unroll, vocab_chunk=c.train.loss_vocab_chunk, layout=MESH,
+                                   guard=bad_steps.GuardSettings.from_config(c.fault))
         self._rows: dict[int, list[int]] = {}  # local_rows by batch size: asked every step
         self._abstract = jax.eval_shape(self._init)  # traced once: shardings and AOT compile share it
         self.state_shardings = self._state_shardings()
@@ -79,7 +80,7 @@ class Program:
 
     def _init(self) -> TrainState:
         params, biases = init_arrays(self.modeldef.cfg, self.exp.config.train.seed)
-        return init_state(params, biases, self.tx, self.balance_tx)
+        return init_state(params, biases, self.tx, self.balance_tx, self.step_cfg.guard)
 
     def _state_shardings(self) -> TrainState:
         """Optimizer moments follow their parameter's sharding; everything else is replicated."""

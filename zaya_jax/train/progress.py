@@ -59,6 +59,7 @@ class StepTimer:
             "load_entropy": float(metrics["load_entropy"]), "load_max": float(metrics["load_max"]),
             "skip_fraction": float(metrics["skip_fraction"]), "expert_load": load.round(5).tolist(),
             "tokens_seen": step * self.tokens_per_step, "elapsed_sec": now - self.start,
+            "bad_steps": int(metrics["bad_steps"]), "consecutive_bad_steps": int(metrics["consecutive_bad_steps"]),
         }
 
     def _mfu(self, tps: float) -> float | None:

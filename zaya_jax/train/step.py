@@ -4,6 +4,8 @@ One train step = gradient accumulation over the global batch's micro-batches (a 
 summing token-weighted losses so the result equals one big batch), global-norm clipping and
 the Muon/AdamW update, then the balancing-bias update from the expert counts of the whole
 global batch. The loss is the vocabulary-chunked cross-entropy on the fp32 final hidden states.
+A bad step (`train/bad_steps.py`: non-finite or spiking loss or gradient norm) keeps the state
+as it was, but for the guard's counters.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ import jax.numpy as jnp
 import optax
 
 from zaya_jax.model.layout import LOCAL, Layout
-from zaya_jax.train import balancing
+from zaya_jax.train import bad_steps, balancing
 from zaya_jax.train.loss import chunked_cross_entropy
 from zaya_jax.train.model_state import ModelDef
 
@@ -30,10 +32,11 @@ class TrainState:
     biases: dict[str, jax.Array]  # balancing biases, [L, E+1], moved by the balancer only
     opt_state: Any
     balance_state: Any
+    guard: bad_steps.GuardState  # the bad-step detector's history and counters
 
 
 jax.tree_util.register_dataclass(
-    TrainState, data_fields=["step", "params", "biases", "opt_state", "balance_state"], meta_fields=[])
+    TrainState, data_fields=["step", "params", "biases", "opt_state", "balance_state", "guard"], meta_fields=[])
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,6 +46,7 @@ class StepConfig:
     scan_unroll: int = 1  # blocks per scan iteration (XLA compiles that many copies)
     vocab_chunk: int = 16384
     layout: Layout = LOCAL  # how the layers run over the program's devices (the program picks it)
+    guard: bad_steps.GuardSettings = bad_steps.GuardSettings()
 
 
 def batch_sums(modeldef: ModelDef, params, biases, batch, cfg: StepConfig):
@@ -85,14 +89,18 @@ def make_train_step(modeldef: ModelDef, tx: optax.GradientTransformation, balanc
         grads, loss_sum, ntok, counts = accumulate_gradients(modeldef, state.params, state.biases, batches, cfg)
         denom = jnp.maximum(ntok, 1.0)
         grads = jax.tree.map(lambda g: g / denom, grads)
+        loss, grad_norm = loss_sum / denom, optax.global_norm(grads)
+        bad = bad_steps.is_bad(state.guard, loss, grad_norm, cfg.guard)
         updates, opt_state = tx.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
         biases, balance_state = balancing.update_biases(state.biases, counts, bias_key, balance_tx,
                                                         state.balance_state)
-        metrics = {"loss": loss_sum / denom, "grad_norm": optax.global_norm(grads), "lr": schedule(state.step),
-                   "tokens": ntok, "expert_load": balancing.load_fractions(counts), **balancing.load_summary(counts)}
-        new_state = TrainState(state.step + 1, params, biases, opt_state, balance_state)
-        return new_state, metrics
+        guard = bad_steps.record(state.guard, loss, grad_norm, bad)
+        metrics = {"loss": loss, "grad_norm": grad_norm, "lr": schedule(state.step),
+                   "tokens": ntok, "expert_load": balancing.load_fractions(counts), **balancing.load_summary(counts),
+                   "bad_step": bad, "bad_steps": guard.bad_total, "consecutive_bad_steps": guard.consecutive}
+        updated = TrainState(state.step + 1, params, biases, opt_state, balance_state, guard)
+        return bad_steps.keep_if_bad(bad, dataclasses.replace(state, guard=guard), updated), metrics
 
     return train_step
 
@@ -107,5 +115,6 @@ def make_eval_step(modeldef: ModelDef, cfg: StepConfig):
     return eval_step
 
 
-def init_state(params, biases, tx, balance_tx) -> TrainState:
-    return TrainState(jnp.zeros((), jnp.int32), params, biases, tx.init(params), balance_tx.init(biases))
+def init_state(params, biases, tx, balance_tx, guard: bad_steps.GuardSettings = bad_steps.GuardSettings()) -> TrainState:
+    return TrainState(jnp.zeros((), jnp.int32), params, biases, tx.init(params), balance_tx.init(biases),
+                      bad_steps.init(guard))

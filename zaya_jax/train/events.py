@@ -1,0 +1,111 @@
+"""The run's event log, `WORKDIR/events.jsonl`: what happened, when, in every attempt of a run.
+
+One JSON object per line: `{"event": KIND, "time": wall seconds, "process": i, ...}`. Spans
+(`startup`, `init`, `restore`, `compile`, `steps`, `eval`, `checkpoint`, `model_save`) are
+written when they end, with `sec` their length, so each covers `[time - sec, time]`. Points:
+`start` (an attempt began: its number, the previous attempt's cause), `bad_step`, `rollback`,
+`hang` (with `idle_sec`, the time without progress), `stop` and `end`. `train/goodput.py` turns
+the lines into the time accounting.
+
+Process 0 writes the run's course; a process that detects a fault itself (a hang) writes its own
+line. Each line is a single `os.write` on a file opened with O_APPEND, so lines of different
+processes never interleave, and a process killed mid-run loses at most the span it was in.
+
+`ATTEMPT_ENV` is how a supervisor (`zaya launch --max-restarts`) tells each process which attempt
+it is and why the previous one ended; `Attempt.from_environ` reads it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import os
+import time
+from typing import Iterator
+
+from zaya_jax.errors import ZayaError
+
+EVENTS_NAME = "events.jsonl"
+ATTEMPT_ENV = {"attempt": "ZAYA_ATTEMPT", "cause": "ZAYA_RESTART_CAUSE", "failed_at": "ZAYA_FAILED_AT",
+               "launched_at": "ZAYA_LAUNCHED_AT"}
+
+
+@dataclasses.dataclass(frozen=True)
+class Attempt:
+    """Which start of the run this process belongs to."""
+
+    number: int = 0  # 0: started by a person or a scheduler; k > 0: the supervisor's k-th restart
+    cause: str = ""  # why the previous attempt ended (the supervisor's words)
+    failed_at: float | None = None  # wall time the supervisor saw that failure
+    started_at: float = dataclasses.field(default_factory=time.time)  # when this attempt began
+
+    @classmethod
+    def from_environ(cls, environ, started_at: float) -> "Attempt":
+        """The supervisor's settings, if any; `started_at` is this process's own start (the
+        launcher's, when it says so, is earlier: the attempt began when it spawned us)."""
+        def number(name, kind):
+            text = environ.get(ATTEMPT_ENV[name], "")
+            try:
+                return kind(text) if text else None
+            except ValueError:
+                raise ZayaError(f"{ATTEMPT_ENV[name]}={text!r} is not a number; it is set by zaya launch, "
+                                "unset it when starting zaya train by hand") from None
+
+        launched = number("launched_at", float)
+        return cls(number("attempt", int) or 0, environ.get(ATTEMPT_ENV["cause"], ""), number("failed_at", float),
+                   min(started_at, launched) if launched else started_at)
+
+
+class EventLog:
+    """Append-only writer of `events.jsonl` for one process (silent when disabled)."""
+
+    def __init__(self, workdir: str, process: int = 0, enabled: bool = True):
+        self.path = os.path.join(workdir, EVENTS_NAME)
+        self.process, self.enabled = process, enabled
+        self.listeners: list = []  # called with each event this process writes (the goodput ledger)
+
+    def write(self, kind: str, at: float | None = None, **fields) -> dict:
+        """One event at wall time `at` (default now)."""
+        event = {"event": kind, "time": round(time.time() if at is None else at, 4), "process": self.process,
+                 **fields}
+        if self.enabled:
+            self._append(json.dumps(event, allow_nan=False, default=float) + "\n")
+            for listener in self.listeners:
+                listener(event)
+        return event
+
+    def _append(self, line: str) -> None:
+        try:
+            fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+            try:
+                os.write(fd, line.encode())
+            finally:
+                os.close(fd)
+        except OSError as e:
+            raise ZayaError(f"cannot write {self.path} ({e.strerror}); choose a writable --workdir") from None
+
+    @contextlib.contextmanager
+    def span(self, kind: str, **fields) -> Iterator[dict]:
+        """Time the block; write `kind` with its `sec` when it ends (fields may be added to the
+        yielded dict inside the block). A block ended by an exception is not written."""
+        began = time.time()
+        extra: dict = {}
+        yield extra
+        self.write(kind, sec=round(time.time() - began, 4), **fields, **extra)
+
+
+def read_events(workdir: str) -> list[dict]:
+    """Every event of a run in time order; a torn last line (a process killed mid-write) is skipped."""
+    path = os.path.join(workdir, EVENTS_NAME)
+    if not os.path.exists(path):
+        raise ZayaError(f"{path} does not exist: {workdir} is not a zaya train workdir (or predates the event "
+                        "log); give the --workdir of a run")
+    events = []
+    with open(path, encoding="utf-8") as f:
+        for line in f:
+            try:
+                events.append(json.loads(line))
+            except json.JSONDecodeError:
+                continue
+    return sorted(events, key=lambda e: e["time"] - e.get("sec", 0.0))
