@@ -19,6 +19,7 @@ from zaya_jax.experiment import load_experiment
 from zaya_jax.train.events import read_events
 from zaya_jax.train.goodput import summarize
 from zaya_jax.train.loop import train
+from zaya_jax.train.program import build_program
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = os.path.join(ROOT, "experiments", "tiny_cpu.py")
@@ -152,7 +153,7 @@ def test_a_nan_in_one_ranks_batch_is_skipped_by_every_rank_and_a_streak_rolls_ba
 
 
 def _overrides(workdir, *extra):
-    return ["--config.train.steps=8", *RUN, "--config.checkpoint.every_steps=4", *extra]
+    return ["--config.train.steps=8", *RUN, "--config.checkpoint.every_steps=4", "--config.eval.batches=0", *extra]
 
 
 @pytest.mark.parametrize("mode,checkpoint", [("stop", 4), ("rollback", 0)], ids=["stop", "rollback with no checkpoint"])
@@ -169,3 +170,27 @@ def test_a_streak_of_bad_steps_stops_the_run_with_status_4_and_saves_nothing_new
     assert not (tmp_path / "model").exists()
     stop, = [e for e in read_events(str(tmp_path)) if e["event"] == "stop"]
     assert stop["reason"] == "bad steps" and stop["step"] == 7
+
+
+def test_a_checkpoint_from_before_the_bad_step_guard_resumes_with_an_empty_guard(tmp_path):
+    import dataclasses
+    import io
+
+    import jax
+
+    from zaya_jax.train.checkpoints import RunCheckpoints, run_meta
+    from zaya_jax.train.loop import build_data
+
+    exp = load_experiment(TINY, _overrides(tmp_path, "--config.mesh.data=1"))
+    program = build_program(exp, jax.devices()[:1])
+    old = dataclasses.replace(program.init(), guard=None)  # the train state as saved before the guard
+    iterator = build_data(exp).train_iterator(program.data_lanes())
+    next(iterator), next(iterator)
+    checkpoints = RunCheckpoints(str(tmp_path / "checkpoints"), keep=2, async_save=False)
+    checkpoints.save(2, old, iterator, run_meta(exp, jax.eval_shape(lambda: old), 1))
+    checkpoints.close()
+    iterator.close()
+    out = io.StringIO()
+    summary = train(exp, str(tmp_path), devices=jax.devices()[:1], out=out)
+    assert summary["start_step"] == 2 and summary["exit_code"] == exit_codes.OK
+    assert "resumed from" in out.getvalue() and np.isfinite(summary["last_loss"])

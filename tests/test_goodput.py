@@ -25,6 +25,7 @@ def test_every_second_of_one_attempt_lands_in_one_bucket():
     events = [_point("start", 100.0, attempt=0), _span("startup", 103.0, 3.0), _span("init", 105.0, 2.0),
               _span("compile", 115.0, 10.0), _span("steps", 125.0, 10.0, first=0, last=10, bad=0),
               _span("checkpoint", 126.0, 1.0, step=10),
+              _point("bad_step", 130.0, step=15),  # written inside the next span, before it closes: no time
               _span("steps", 137.0, 10.0, first=10, last=20, bad=2),  # 1 s untracked before it
               _span("model_save", 139.0, 2.0), _point("end", 139.0, step=20)]
     s = summarize(events)
@@ -35,7 +36,7 @@ def test_every_second_of_one_attempt_lands_in_one_bucket():
     assert s["lost_sec"]["untracked"] == pytest.approx(1.0)
     assert s["lost_sec"]["compile"] == pytest.approx(10.0)
     assert s["goodput"] == pytest.approx(18.0 / 39.0)
-    assert s["finished"] and s["attempts"] == 1 and s["restarts"] == 0
+    assert s["finished"] and s["attempts"] == 1 and s["restarts"] == 0 and s["bad_steps"] == 1
 
 
 def test_a_supervised_restart_discards_the_steps_after_the_checkpoint_and_costs_its_gap():

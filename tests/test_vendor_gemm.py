@@ -155,7 +155,7 @@ xla_bridge._init_backend = recording_start
 registry.machine_target = lambda: (jax.devices(), "cuda")[1]  # starts JAX, as the real one does
 def train(exp, workdir, **placement):
     seen["moe_kernel"] = exp.model.moe_kernel
-    return {{"stopped_by": None}}
+    return {{"stopped_by": None, "exit_code": 0}}
 loop.train = train
 seen["rc"] = cli.main(["train", "--config={TINY}", "--workdir=unused", "--config.model.moe_kernel=cudnn"])
 print(json.dumps(seen))

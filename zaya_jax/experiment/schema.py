@@ -112,7 +112,7 @@ def _fault() -> dict:
         spike_window=128,  # good steps the spike rule looks back over (and waits for)
         max_consecutive_bad_steps=8,  # this many bad steps in a row: act (fault.on_bad_steps); 0 = never
         on_bad_steps="rollback",  # rollback (to the newest checkpoint, past the bad data) | stop (exit 4)
-        max_rollbacks=3,  # rollbacks in one run before it stops instead (exit 4)
+        max_rollbacks=3,  # rollbacks in one attempt before it stops instead (exit 4)
         drill="",  # fault drill, first attempt only: e.g. "hang:process=1,step=5,sec=600; nan:step=3,steps=2"
     )
 

@@ -5,7 +5,8 @@ after the next step is dispatched, so the devices never wait for the host. Every
 an event (`bad_step`) and a line under the progress bar. When `fault.max_consecutive_bad_steps`
 steps in a row were bad, `after_step` says what to do: `rollback` (to the newest checkpoint, with
 the data iterator left where it is, so the data that caused the streak is skipped), or `stop`
-(`fault.on_bad_steps=stop`, or `fault.max_rollbacks` used up, or no checkpoint to go back to).
+(`fault.on_bad_steps=stop`, or `fault.max_rollbacks` used up in this attempt, or no checkpoint to
+go back to). Every process reaches the same decision at the same step: it reads the same verdicts.
 Reading one step late makes the action land after the same step in every run and every process.
 """
 
@@ -17,9 +18,10 @@ _VERDICT = ("bad_step", "bad_steps", "consecutive_bad_steps", "loss", "grad_norm
 
 
 class BadStepPolicy:
-    def __init__(self, fault, events, note=lambda text: None, rollbacks_done: int = 0):
+    def __init__(self, fault, events, note=lambda text: None):
         self.limit, self.on_bad = int(fault.max_consecutive_bad_steps), fault.on_bad_steps
-        self.max_rollbacks, self.rollbacks = int(fault.max_rollbacks), rollbacks_done
+        # Counted per attempt, from what every process saw itself: the same count everywhere.
+        self.max_rollbacks, self.rollbacks = int(fault.max_rollbacks), 0
         self.events, self.note = events, note
         self._pending: tuple[int, dict] | None = None
         self.reason = ""

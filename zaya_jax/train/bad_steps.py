@@ -41,8 +41,8 @@ jax.tree_util.register_dataclass(GuardState, data_fields=["history", "seen", "ba
 
 
 def init(settings: GuardSettings) -> GuardState:
-    zero = jnp.zeros((), jnp.int32)
-    return GuardState(jnp.zeros((max(settings.window, 1), 2), jnp.float32), zero, zero, zero)
+    counters = [jnp.zeros((), jnp.int32) for _ in range(3)]  # distinct buffers: the step donates each
+    return GuardState(jnp.zeros((max(settings.window, 1), 2), jnp.float32), *counters)
 
 
 def is_bad(guard: GuardState, loss: jax.Array, grad_norm: jax.Array, settings: GuardSettings) -> jax.Array:

@@ -3,8 +3,10 @@
 One JSON object per line: `{"event": KIND, "time": wall seconds, "process": i, ...}`. Spans
 (`startup`, `init`, `restore`, `compile`, `steps`, `eval`, `checkpoint`, `model_save`) are
 written when they end, with `sec` their length, so each covers `[time - sec, time]`. Points:
-`start` (an attempt began: its number, the previous attempt's cause), `bad_step`, `rollback`,
-`hang` (with `idle_sec`, the time without progress), `stop` and `end`. `train/goodput.py` turns
+`start` (an attempt began: its number, the previous attempt's cause), `checkpoint_commit` (a
+save's background write finished), `bad_step`, `stop` and `end`. `rollback` is a span (reading
+the checkpoint) that also undoes steps; `hang` is a span: the time without progress until the
+watchdog fired. `train/goodput.py` turns
 the lines into the time accounting.
 
 Process 0 writes the run's course; a process that detects a fault itself (a hang) writes its own

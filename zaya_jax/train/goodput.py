@@ -54,7 +54,9 @@ class Ledger:
             return self._start(event, t)
         if self.end is None:  # events before any start (a log from an older version): skip
             return
-        began = max(t - float(event.get("sec", 0.0)), self.end)
+        if "sec" not in event:  # a point: counts, but covers no time (a span around it does)
+            return self._point(kind)
+        began = max(t - float(event["sec"]), self.end)
         self.lost["untracked"] += max(began - self.end, 0.0)
         length = max(t - began, 0.0)
         self.end = max(self.end, t)
@@ -70,9 +72,11 @@ class Ledger:
             self.lost["hang"] += length
             self.counts["hangs"] += not self._hung
             self._hung = True
-        elif kind == "bad_step":
+
+    def _point(self, kind: str) -> None:
+        if kind == "bad_step":
             self.counts["bad_steps"] += 1
-        if kind in ("end", "stop"):
+        elif kind in ("end", "stop"):
             self._ended = True
             self.finished = kind == "end"
 

@@ -22,6 +22,7 @@ keeps the goodput ledger (`train/goodput.py`): in metrics/TensorBoard and the fi
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import shutil
 import signal
@@ -248,11 +249,10 @@ class _Run:
     def _steps(self, compiled, state, start: int, first_batch, timer: StepTimer):
         c, program = self.c, self.program
         drills = Drills(parse_drills(c.fault.drill), jax.process_index(), self.attempt.number)
-        rollbacks = self.ledger.counts["rollbacks"] if self.ledger else 0
         with StopSignals(self.topology.process_count) as stop, \
                 MetricsWriter(self.workdir, enabled=self.primary) as writer, \
                 Progress(c.train.steps, enabled=c.train.progress and self.primary, initial=start) as bar:
-            policy = BadStepPolicy(c.fault, self.events, bar.note, rollbacks)
+            policy = BadStepPolicy(c.fault, self.events, bar.note)
             self.span = _StepSpan(self.events, start, state)
             done = start
             for step in range(start, c.train.steps):
@@ -281,7 +281,7 @@ class _Run:
             policy.flush()
             with self.watchdog.allow(c.fault.io_timeout_sec, "finishing the checkpoint save"):
                 self.checkpoints.wait()
-            _write_save_timings(writer, self.checkpoints)
+            _write_save_timings(writer, self.checkpoints, self.events)
         self.summary["last_step"] = done
         return state, done
 
@@ -326,7 +326,7 @@ class _Run:
                 blocking = self.checkpoints.save(done, state, self.iterator, self.meta)
             self.span.restart_clock()
             writer.write(done, {"checkpoint_blocking_sec": blocking, "checkpoint_async": self.checkpoints.async_save})
-        _write_save_timings(writer, self.checkpoints)
+        _write_save_timings(writer, self.checkpoints, self.events)
 
     def _rollback(self, done: int, policy: BadStepPolicy, state):
         """(state, action): the newest checkpoint's state, with the data iterator left past the
@@ -411,9 +411,15 @@ def _resume_or_init(program: Program, checkpoints: RunCheckpoints, iterator, met
                         "checkpoint.resume is False; use a fresh --workdir, or set checkpoint.resume=True")
     with events.span("restore", step=step):
         saved = checkpoints.read_meta(step)
-        check_compatible(saved, meta, where)
+        # Checkpoints from before the bad-step guard hold no guard: restore the rest, start it empty.
+        guarded = any(path.startswith(".guard") for path in saved["state_shapes"])
+        check_compatible(saved, meta if guarded else _without_guard(meta), where)
         same_data = saved["data"] == meta["data"]
-        state = checkpoints.restore(step, program.placed_abstract_state(), iterator if same_data else None)
+        target = program.placed_abstract_state()
+        state = checkpoints.restore(step, target if guarded else dataclasses.replace(target, guard=None),
+                                    iterator if same_data else None)
+        if not guarded:
+            state = dataclasses.replace(state, guard=program.fresh_guard())
     resharded = "" if saved["process_count"] == meta["process_count"] else \
         f"; saved by {saved['process_count']} process(es), resharded over {meta['process_count']}"
     print(f"resumed from {where} (step {step}{resharded})", file=out, flush=True)
@@ -423,9 +429,15 @@ def _resume_or_init(program: Program, checkpoints: RunCheckpoints, iterator, met
     return state, step
 
 
-def _write_save_timings(writer: MetricsWriter, checkpoints: RunCheckpoints) -> None:
+def _without_guard(meta: dict) -> dict:
+    return {**meta, "state_shapes": {k: v for k, v in meta["state_shapes"].items() if not k.startswith(".guard")}}
+
+
+def _write_save_timings(writer: MetricsWriter, checkpoints: RunCheckpoints, events: EventLog) -> None:
+    """Saves whose background write finished: their time in metrics, their commit in the event log."""
     for timing in checkpoints.finished_saves():
         writer.write(timing.step, {"checkpoint_background_sec": timing.background_sec})
+        events.write("checkpoint_commit", step=timing.step, background_sec=round(timing.background_sec, 4))
 
 
 def _banner(out, exp: Experiment, program: Program, data: DataPipeline, workdir: str, hardware,

@@ -109,6 +109,10 @@ class Program:
         """The initial state, created directly in its sharded placement."""
         return jax.jit(self._init, out_shardings=self.state_shardings)()
 
+    def fresh_guard(self) -> bad_steps.GuardState:
+        """An empty bad-step guard, placed (for a checkpoint saved before the guard existed)."""
+        return jax.device_put(bad_steps.init(self.step_cfg.guard), self.state_shardings.guard)
+
     def jitted_train_step(self):
         step = self._under_mesh(make_train_step(self.modeldef, self.tx, self.balance_tx, self.schedule, self.step_cfg))
         return jax.jit(step, in_shardings=(self.state_shardings, self.batch_sharding()),
