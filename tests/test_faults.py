@@ -12,6 +12,7 @@ import time
 
 import numpy as np
 import pytest
+from run_outputs import losses as _losses
 
 from zaya_jax import exit_codes
 from zaya_jax.checkpoint import orbax_store
@@ -40,16 +41,6 @@ def _launch(workdir, steps, *extra, launch=(), timeout=480):
     began = time.time()
     done = subprocess.run(argv, env=_env(), capture_output=True, text=True, timeout=timeout, cwd=ROOT)
     return done, time.time() - began
-
-
-def _losses(workdir):
-    """step → loss; a step logged twice (before a failure and after the restart) keeps its last value."""
-    out = {}
-    for line in open(os.path.join(workdir, "metrics.jsonl")):
-        record = json.loads(line)
-        if "loss" in record:
-            out[record["step"]] = record["loss"]
-    return out
 
 
 def _arrays(path):

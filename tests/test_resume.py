@@ -11,6 +11,7 @@ import sys
 import jax
 import numpy as np
 import pytest
+from run_outputs import losses as _losses
 
 from zaya_jax.errors import ZayaError
 from zaya_jax.experiment import load_experiment
@@ -35,16 +36,6 @@ def _train_cmd(workdir, *extra, prefix=("-m", "zaya_jax")):
 
 def _run(cmd):
     return subprocess.run(cmd, capture_output=True, text=True, env=_env(), cwd=ROOT, timeout=600)
-
-
-def _losses(workdir) -> dict[int, float]:
-    """step → loss; a step logged twice (before a kill and after the resume) keeps its last value."""
-    out = {}
-    for line in open(os.path.join(workdir, "metrics.jsonl")):
-        record = json.loads(line)
-        if "loss" in record:
-            out[record["step"]] = record["loss"]
-    return out
 
 
 def _signal_at(when, step, sig):

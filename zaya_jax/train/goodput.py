@@ -9,8 +9,8 @@ the first attempt's start to the last event. Each second goes to exactly one buc
   `compile`, `checkpoint` (the loop blocked on saves), `eval`, `model_save` (the final model),
   `bad_steps` (steps whose update was skipped), `discarded` (steps undone by a restart from an
   older checkpoint or by a rollback), `hang` (no progress, until the watchdog fired), `restart`
-  (from a failed attempt's last event to the next attempt's start: the failure, the teardown,
-  the back-off), `untracked` (gaps inside an attempt that no event covers — kept small, and the
+  (from a failed attempt's last event to the next attempt's start: the steps it ran since its
+  last logged one, the failure, the teardown, the back-off), `untracked` (gaps inside an attempt that no event covers — kept small, and the
   measure of how complete this accounting is).
 
 Time between a run that ended (finished, or saved and stopped) and a new start by a person or a
