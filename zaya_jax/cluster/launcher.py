@@ -50,7 +50,8 @@ def add_parser(jobs) -> None:
     p = jobs.add_parser(
         "launch", help="run a zaya command as N processes of a JAX job (one per GPU, or CPU processes)",
         description="Start N local processes of a multi-process JAX job running `zaya COMMAND`, prefix "
-                    "their output, and stop them all when one fails.",
+                    "their output, and stop them all when one fails (with --max-restarts: start them again "
+                    "from the newest checkpoint). Exit status: the failed process's (zaya_jax/exit_codes.py).",
         epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("-n", "--nproc", type=int, required=True, metavar="N", help="processes on this node")
     p.add_argument("--nodes", type=int, default=1, metavar="M", help="nodes in the job (default 1)")

@@ -1,7 +1,7 @@
 """The run's event log, `WORKDIR/events.jsonl`: what happened, when, in every attempt of a run.
 
 One JSON object per line: `{"event": KIND, "time": wall seconds, "process": i, ...}`. Spans
-(`startup`, `init`, `restore`, `compile`, `steps`, `eval`, `checkpoint`, `model_save`) are
+(`startup`, `init`, `restore`, `data`, `compile`, `steps`, `eval`, `checkpoint`, `model_save`) are
 written when they end, with `sec` their length, so each covers `[time - sec, time]`. Points:
 `start` (an attempt began: its number, the previous attempt's cause), `checkpoint_commit` (a
 save's background write finished), `bad_step`, `stop` and `end`. `rollback` is a span (reading

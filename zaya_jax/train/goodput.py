@@ -5,7 +5,7 @@ the first attempt's start to the last event. Each second goes to exactly one buc
 
 * `productive` — step time whose updates survive: steps neither skipped as bad nor discarded;
 * lost: `startup` (process start, distributed runtime, program build), `init`, `restore` (and
-  rollbacks: reading the checkpoint),
+  rollbacks: reading the checkpoint), `data` (the first batch and the held-out batches),
   `compile`, `checkpoint` (the loop blocked on saves), `eval`, `model_save` (the final model),
   `bad_steps` (steps whose update was skipped), `discarded` (steps undone by a restart from an
   older checkpoint or by a rollback), `hang` (no progress, until the watchdog fired), `restart`
@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 
-SPANS = ("startup", "init", "restore", "compile", "checkpoint", "eval", "model_save")
+SPANS = ("startup", "init", "restore", "data", "compile", "checkpoint", "eval", "model_save")
 LOST = (*SPANS, "bad_steps", "discarded", "hang", "restart", "untracked")
 
 

@@ -157,7 +157,6 @@ def train(exp: Experiment, workdir: str, devices=None, out=sys.stdout, topology:
     iterator = data.train_iterator(program.data_lanes())
     processes.use_coordination_barriers()  # before Orbax's first barrier
     checkpoints = RunCheckpoints(os.path.join(workdir, "checkpoints"), c.checkpoint.keep, c.checkpoint.async_save)
-    events.write("startup", sec=round(time.time() - attempt.started_at, 4))
     run = _Run(exp, program, data, iterator, checkpoints, workdir, eval_batch_size, out, topology, events, ledger,
                attempt)
     try:
@@ -211,6 +210,7 @@ class _Run:
         flops = flops_lib.training_flops_per_token(self.exp.model, c.train.seq_len)
         _banner(self.out, self.exp, program, self.data, self.workdir, hardware, self.topology)
         self.meta = run_meta(self.exp, program.abstract_state(), jax.process_count())
+        self.events.write("startup", sec=round(time.time() - self.attempt.started_at, 4))
         with self.watchdog.allow(c.fault.io_timeout_sec, "reading the checkpoint"):
             state, start = _resume_or_init(program, self.checkpoints, self.iterator, self.meta, self.out, self.events)
         self.summary["start_step"] = start
@@ -218,12 +218,13 @@ class _Run:
             print(f"already trained to step {start} (train.steps = {c.train.steps}); raise train.steps to go on",
                   file=self.out, flush=True)
             return self._finish(state, start, timer=None)
-        first_batch = next(self.iterator)  # a bad document near the start fails now, not after the compile
-        compiled, eval_step = self._compile()
-        eval_rows = program.local_rows(self.eval_batch_size)
-        self.eval_batches = list(self.data.eval_batches(self.eval_batch_size, c.eval.batches, eval_rows)) \
-            if c.eval.batches else []
-        self.eval_step = eval_step
+        with self.events.span("data"):  # a bad document near the start fails now, not after the compile
+            first_batch = next(self.iterator)
+        compiled, self.eval_step = self._compile()
+        with self.events.span("data"):
+            eval_rows = program.local_rows(self.eval_batch_size)
+            self.eval_batches = list(self.data.eval_batches(self.eval_batch_size, c.eval.batches, eval_rows)) \
+                if c.eval.batches else []
         timer = StepTimer(c.train.global_batch_size * c.train.seq_len, flops.total, program.mesh.size, hardware,
                           start_step=start)
         state, done = self._steps(compiled, state, start, first_batch, timer)
@@ -249,11 +250,11 @@ class _Run:
     def _steps(self, compiled, state, start: int, first_batch, timer: StepTimer):
         c, program = self.c, self.program
         drills = Drills(parse_drills(c.fault.drill), jax.process_index(), self.attempt.number)
+        self.span = _StepSpan(self.events, start, state)  # the writers' start-up is the first span's
         with StopSignals(self.topology.process_count) as stop, \
                 MetricsWriter(self.workdir, enabled=self.primary) as writer, \
                 Progress(c.train.steps, enabled=c.train.progress and self.primary, initial=start) as bar:
             policy = BadStepPolicy(c.fault, self.events, bar.note)
-            self.span = _StepSpan(self.events, start, state)
             done = start
             for step in range(start, c.train.steps):
                 self.watchdog.beat()
