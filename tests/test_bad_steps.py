@@ -107,3 +107,19 @@ def test_drills_parse_and_act_on_their_process_step_and_attempt_only():
 def test_bad_drills_are_one_line_errors(text, needle):
     with pytest.raises(ZayaError, match=needle):
         parse(text)
+
+
+@pytest.mark.parametrize("override,needle", [
+    ("fault.hang_timeout_sec=-1", "fault.hang_timeout_sec and fault.io_timeout_sec must be >= 0"),
+    ("fault.spike_sigmas=-2", "fault.spike_sigmas must be >= 0"),
+    ("fault.spike_window=0", "fault.spike_window must be >= 1"),
+    ("fault.max_rollbacks=-1", "fault.max_consecutive_bad_steps and fault.max_rollbacks must be >= 0"),
+    ("fault.on_bad_steps=ignore", "fault.on_bad_steps must be 'rollback' or 'stop', got 'ignore'"),
+    ("fault.drill=explode:step=1", "the kind must be one of hang, nan, kill, crash"),
+])
+def test_bad_fault_settings_are_one_line_and_exit_2(tmp_path, capsys, override, needle):
+    from zaya_jax.cli import main
+
+    assert main(["train", f"--config={TINY}", f"--workdir={tmp_path}", f"--config.{override}"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("zaya: error: ") and needle in err[0]
