@@ -106,7 +106,7 @@ def test_a_killed_rank_and_a_hung_rank_are_restarted_and_the_run_ends_bit_exact(
     summary = summarize(events)
     assert summary["restarts"] == 2 and summary["hangs"] == 1 and summary["finished"]
     assert abs(summary["wall_sec"] - outside) <= 0.02 * outside, (summary["wall_sec"], outside)
-    assert summary["lost_sec"]["untracked"] <= 0.02 * summary["wall_sec"], summary["lost_sec"]
+    assert summary["lost_sec"]["untracked"] <= 0.02 * summary["wall_sec"], _timeline(events, summary)
     assert summary["lost_sec"]["discarded"] > 0 and summary["lost_sec"]["hang"] >= 6
     assert all(_gone(pid) for pid in _pids(err))  # every process of every attempt
 
@@ -141,6 +141,36 @@ def test_a_nan_in_one_ranks_batch_is_skipped_by_every_rank_and_a_streak_rolls_ba
     assert all(np.array_equal(five[k], eight[k]) for k in five if "guard" not in k)
     assert int(three["['guard']['bad_total']"]) == 1 and int(two["['guard']['bad_total']"]) == 0
     assert "rolled back to" in done.stdout and np.isfinite(records[9]["loss"])
+
+
+def _timeline(events, summary) -> str:
+    """The event log as lines relative to its first event, with the ledger: a failure says where time went."""
+    t0 = events[0]["time"]
+    rows = [f"{e['time'] - t0:9.3f} {e['event']:17s} "
+            + " ".join(f"{k}={v}" for k, v in e.items() if k not in ("time", "event")) for e in events]
+    return "\n".join([*rows, f"lost: {summary['lost_sec']}"])
+
+
+def test_waiting_for_the_last_checkpoints_commit_is_checkpoint_time_in_the_ledger(tmp_path, monkeypatch):
+    from zaya_jax.train.checkpoints import RunCheckpoints
+
+    wait = RunCheckpoints.wait
+
+    def slow_wait(self):  # a commit that outlasts the steps, as a loaded file system makes it
+        time.sleep(1.5)
+        wait(self)
+
+    monkeypatch.setattr(RunCheckpoints, "wait", slow_wait)
+    import io
+
+    import jax
+
+    exp = load_experiment(TINY, _overrides(tmp_path, "--config.mesh.data=1"))
+    train(exp, str(tmp_path), devices=jax.devices()[:1], out=io.StringIO())
+    events = read_events(str(tmp_path))
+    waited, = [e for e in events if e["event"] == "checkpoint" and e.get("commit_wait")]
+    assert waited["step"] == 8 and waited["sec"] >= 1.5
+    assert summarize(events)["lost_sec"]["untracked"] < 0.5, _timeline(events, summarize(events))
 
 
 def _overrides(workdir, *extra):

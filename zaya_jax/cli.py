@@ -207,7 +207,7 @@ def main(argv: list[str] | None = None) -> int:
         return run(args, extra)
     except ZayaError as e:
         print(f"zaya: error: {e}", file=sys.stderr)
-        return _failed(e.exit_code)
+        return _failed(e.exit_code, together=e.every_process)
     except KeyboardInterrupt:
         print("zaya: interrupted; no partial output was kept", file=sys.stderr)
         return _failed(130)
@@ -242,10 +242,16 @@ def _one_of_several() -> bool:
     return runtime is not None and runtime.global_state.client is not None
 
 
-def _failed(code: int) -> int:
+def _failed(code: int, together: bool = False) -> int:
     """A failed process of a multi-process job leaves at once: JAX's exit handler would wait for
-    every other process at its shutdown barrier, and they may be waiting for this one."""
+    every other process at its shutdown barrier, and they may be waiting for this one. An error
+    every process raised (`together`) goes through that barrier instead: process 0 hosts the
+    coordinator, and a peer still polling it when it vanishes dies in a C++ abort."""
     if _one_of_several():
+        if together:
+            import jax
+
+            jax.distributed.shutdown()
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(code)

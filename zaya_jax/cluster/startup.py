@@ -190,5 +190,6 @@ def _exchange_nodes(environ, settings: Settings) -> Topology:
     odd = next((p for p, n in enumerate(counts) if n != count), None)
     if odd is not None:
         raise ZayaError(f"the processes disagree on the process count: process {odd} was given {counts[odd]}, the "
-                        f"coordinator {count}; give every process the same --num-processes / {ENV['num_processes']}")
+                        f"coordinator {count}; give every process the same --num-processes / {ENV['num_processes']}",
+                        every_process=True)
     return Topology.from_hosts([r.split(" ", 1)[1] for r in reports])

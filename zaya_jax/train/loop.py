@@ -280,7 +280,9 @@ class _Run:
                                   stop.name, 128 + getattr(signal, stop.name).value, done)
                     break
             policy.flush()
-            with self.watchdog.allow(c.fault.io_timeout_sec, "finishing the checkpoint save"):
+            # Waiting for the last save's background commit is checkpoint time in the ledger.
+            with self.watchdog.allow(c.fault.io_timeout_sec, "finishing the checkpoint save"), \
+                    self.events.span("checkpoint", step=done, commit_wait=True):
                 self.checkpoints.wait()
             _write_save_timings(writer, self.checkpoints, self.events)
         self.summary["last_step"] = done
