@@ -1,6 +1,7 @@
 """The mesh explorer's formulas on hand-worked cases: placement, collective times, state bytes,
 activations, FLOPs and MFU, ranking and its refusals (no compiling here; see test_mesh_validate)."""
 
+import dataclasses
 import json
 import math
 
@@ -151,10 +152,18 @@ def test_step_time_and_mfu_on_one_device_are_compute_and_optimizer():
 
 
 def test_gradients_reduce_over_the_axes_that_do_not_shard_them():
-    r = run(batch=16)
-    by_axis = {tr.axis: tr for tr in step_time.transfers(r, mesh(data=8))}
-    assert set(by_axis) == {"data"} and by_axis["data"].op == "all_reduce"
-    assert by_axis["data"].nbytes == pytest.approx(inventory.state_bytes(TINY, mesh()).grads)
+    r = run(batch=16, accum=4)
+    grads = inventory.state_bytes(TINY, mesh()).grads
+    # Over data once per step (parallel/replicas.py), whatever the micro-batch count: ZeRO-1
+    # reduce-scatters every gradient onto its optimizer shard and gathers the updated weights.
+    # (A weight with no dimension that 8 divides keeps its state whole: all-reduced.)
+    zero1 = {tr.op: tr for tr in step_time.transfers(r, mesh(data=8))}
+    assert set(zero1) == {"reduce_scatter", "all_gather", "all_reduce"} and {tr.axis for tr in zero1.values()} == {"data"}
+    assert all(tr.calls == 1 and not tr.overlappable for tr in zero1.values())
+    assert zero1["reduce_scatter"].nbytes + zero1["all_reduce"].nbytes == pytest.approx(grads)
+    assert zero1["all_gather"].nbytes == zero1["reduce_scatter"].nbytes > 0.99 * grads
+    whole, = step_time.transfers(dataclasses.replace(r, zero1=False), mesh(data=8))
+    assert (whole.axis, whole.op, whole.calls) == ("data", "all_reduce", 1) and whole.nbytes == pytest.approx(grads)
     fsdp = step_time.transfers(r, mesh(fsdp=8))
     ops = {(tr.axis, tr.op) for tr in fsdp}
     assert ("fsdp", "all_gather") in ops and ("fsdp", "reduce_scatter") in ops
@@ -168,9 +177,15 @@ def test_exposed_communication_overlaps_only_where_the_schedule_allows():
     r = run(batch=64, seq=64)
     t = step_time.predict(r, mesh(tensor=2, data=4), Network(MI300X))
     assert t.exposed_comm_s["tensor"] > 0  # activations between dependent matmuls: never hidden
-    hidden = step_time.predict(r, mesh(data=8), Network(MI300X))
-    total = sum(tr.calls * Network(MI300X).time(tr.op, tr.nbytes, tr.span) for tr in step_time.transfers(r, mesh(data=8)))
-    assert hidden.exposed_comm_s["data"] == pytest.approx(max(0.0, total - hidden.compute_s))
+    net = Network(MI300X)
+    after_loop = step_time.predict(r, mesh(data=8), net)  # data's one reduction: nothing left to hide behind
+    total = sum(tr.calls * net.time(tr.op, tr.nbytes, tr.span) for tr in step_time.transfers(r, mesh(data=8)))
+    assert after_loop.exposed_comm_s["data"] == pytest.approx(total)
+    hidden = step_time.predict(r, mesh(fsdp=8), net)  # FSDP's gathers and reductions overlap compute
+    transfers = step_time.transfers(r, mesh(fsdp=8))
+    assert transfers and all(tr.overlappable for tr in transfers)
+    total = sum(tr.calls * net.time(tr.op, tr.nbytes, tr.span) for tr in transfers)
+    assert hidden.exposed_comm_s["fsdp"] == pytest.approx(max(0.0, total - hidden.compute_s))
 
 
 def test_ranking_puts_fitting_layouts_first_fastest_first():

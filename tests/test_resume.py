@@ -98,9 +98,9 @@ def test_sigterm_and_sigint_save_then_the_same_command_finishes_the_run(tmp_path
 
 
 # ---- resharded resume (in process, 8 fake devices) -----------------------------------------
-def _exp(steps, **mesh):
+def _exp(steps, *extra, **mesh):
     # One schedule for both lengths: the cosine would otherwise follow train.steps.
-    overrides = RUN + [f"--config.train.steps={steps}", "--config.optim.decay_steps=8", "--config.mesh.data=1"]
+    overrides = RUN + [f"--config.train.steps={steps}", "--config.optim.decay_steps=8", "--config.mesh.data=1", *extra]
     overrides += [f"--config.mesh.{axis}={size}" for axis, size in mesh.items()]
     return load_experiment(TINY, overrides)
 
@@ -124,6 +124,20 @@ def test_resharded_resume_trains_like_the_uninterrupted_run(tmp_path, saved_on_d
     shutil.copytree(half, workdir)
     summary = train(_exp(8, **mesh), str(workdir), devices=jax.devices()[:devices], out=open(os.devnull, "w"))
     assert summary["start_step"] == 4
+    resumed = _losses(workdir)
+    np.testing.assert_allclose([resumed[s] for s in range(5, 9)], [full[s] for s in range(5, 9)], rtol=2e-5)
+
+
+def test_zero1_state_resumes_with_zero1_off_and_back_on(tmp_path, saved_on_data8):
+    # Saved with the optimizer state split over data=8 (ZeRO-1, the default); steps 5-6 run with
+    # it whole on data=4, steps 7-8 split again over data=8: the losses are the uninterrupted run's.
+    half, full = saved_on_data8
+    workdir = tmp_path / "run"
+    shutil.copytree(half, workdir)
+    off = "--config.optim.shard_over_data=false"
+    train(_exp(6, off, data=4), str(workdir), devices=jax.devices()[:4], out=open(os.devnull, "w"))
+    summary = train(_exp(8, data=8), str(workdir), devices=jax.devices()[:8], out=open(os.devnull, "w"))
+    assert summary["start_step"] == 6
     resumed = _losses(workdir)
     np.testing.assert_allclose([resumed[s] for s in range(5, 9)], [full[s] for s in range(5, 9)], rtol=2e-5)
 

@@ -72,6 +72,9 @@ def _optim() -> dict:
         b2=0.95,
         eps=1e-8,
         clip_norm=1.0,  # global gradient-norm clip (0 = off)
+        # ZeRO-1: optimizer state split over the mesh's `data` axis, gradients reduce-scattered onto
+        # it once per step (no effect without mesh.data > 1; README: Layouts)
+        shard_over_data=True,
         muon_momentum=0.95,
         muon_nesterov=True,
         muon_ns_steps=5,  # Newton–Schulz iterations

@@ -3,7 +3,8 @@
 The model's own parameter table (shapes and logical axes, from a 1-layer copy: the blocks are
 stored stacked, one row of each block weight per layer) goes through the one sharding rules table
 (`parallel/rules.py`) with the layout's axis sizes, and through the optimizer partition
-(`train/optim.py`): Muon keeps one fp32 momentum per parameter, AdamW two fp32 moments. So the
+(`train/optim.py`): Muon keeps one fp32 momentum per parameter, AdamW two fp32 moments, split
+over `data` as well under ZeRO-1 where the program finds them a dimension. So the
 prediction and the run share every fact, and a change to the rules changes both.
 """
 
@@ -17,9 +18,9 @@ import types
 import jax.numpy as jnp
 
 from zaya_jax.config import ModelConfig
-from zaya_jax.model.layer_stack import is_stacked
+from zaya_jax.model.layer_stack import LAYER_AXIS, is_stacked
 from zaya_jax.model.params import PARAM_DTYPE
-from zaya_jax.parallel.rules import partition_spec, spec_axes
+from zaya_jax.parallel.rules import data_split_dim, partition_spec, spec_axes, spread_axes
 from zaya_jax.train.muon import MatrixView
 from zaya_jax.train.optim import rule_for
 
@@ -104,14 +105,41 @@ def local_bytes(group: ParamGroup, sizes: dict[str, int], gathered: tuple[str, .
     return group.elements * PARAM_BYTES * regather / shard_count(group, sizes)
 
 
-def state_bytes(cfg: ModelConfig, sizes: dict[str, int]) -> StateBytes:
-    """Per-device fp32 parameters, gradients (one fp32 copy) and optimizer moments, plus the
-    balancing biases (with the parameters) and their Adam moments (with the optimizer)."""
+@functools.lru_cache(maxsize=65536)
+def _data_split(group: ParamGroup, sizes: tuple[tuple[str, int], ...]) -> bool:
+    mesh = types.SimpleNamespace(shape=dict(sizes))
+    shape, axes = stored(group)
+    return data_split_dim(partition_spec(axes, mesh, shape), shape, mesh) is not None
+
+
+def optimizer_split(group: ParamGroup, sizes: dict[str, int], zero1: bool) -> int:
+    """How many more ways ZeRO-1 (`optim.shard_over_data`) splits the group's optimizer state:
+    the data degree where the program finds a dimension for it (`rules.data_split_dim`), else 1."""
+    return sizes.get("data", 1) if zero1 and _data_split(group, tuple(sizes.items())) else 1
+
+
+def spread(group: ParamGroup, sizes: dict[str, int]) -> int:
+    """Over how many devices Muon spreads the weight's whole matrices (`rules.spread_axes`)."""
+    matrices = group.count * math.prod(group.shape[: group.view.batch_axes])
+    return math.prod(sizes[a] for a in spread_axes(matrices, sizes))
+
+
+def stored(group: ParamGroup) -> tuple[tuple[int, ...], tuple[str, ...]]:
+    """The shape and logical axes the parameter is stored with (a block's weight: one row per layer)."""
+    if is_stacked(group.path):
+        return (group.count, *group.shape), (LAYER_AXIS, *group.axes)
+    return group.shape, group.axes
+
+
+def state_bytes(cfg: ModelConfig, sizes: dict[str, int], zero1: bool = False) -> StateBytes:
+    """Per-device fp32 parameters, gradients (one fp32 copy) and optimizer moments (split over
+    `data` too with `zero1`), plus the balancing biases (with the parameters) and their Adam
+    moments (with the optimizer)."""
     params = optimizer = 0.0
     for g in param_groups(cfg):
         local = g.count * local_bytes(g, sizes)
         params += local
-        optimizer += OPTIMIZER_STATES[g.optimizer] * local
+        optimizer += OPTIMIZER_STATES[g.optimizer] * local / optimizer_split(g, sizes, zero1)
     biases = cfg.num_hidden_layers * (cfg.num_experts + 1) * 4  # replicated fp32 [E+1] per layer
     return StateBytes(params=params + biases, grads=params, optimizer=optimizer + 2 * biases)
 

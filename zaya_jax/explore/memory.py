@@ -139,13 +139,15 @@ def schedule_bytes(run: Run, sizes: dict[str, int], s: Share) -> dict[str, float
 
 
 def muon_temporaries(run: Run, sizes: dict[str, int]) -> float:
-    """Newton–Schulz works on one parameter at a time: about three fp32 copies of the largest."""
+    """Newton–Schulz works on one weight at a time, its matrices spread whole over the devices
+    (`inventory.spread`): about three fp32 copies of the largest device share."""
     muon = [g for g in inventory.param_groups(run.cfg) if g.optimizer == "muon"]
-    return 3 * max(inventory.local_bytes(g, sizes) for g in muon) if muon else 0.0
+    share = [g.count * g.elements * F32 / inventory.spread(g, sizes) for g in muon]
+    return 3 * max(share) if share else 0.0
 
 
 def predict(run: Run, sizes: dict[str, int]) -> Memory:
-    state = inventory.state_bytes(run.cfg, sizes)
+    state = inventory.state_bytes(run.cfg, sizes, run.zero1)
     s = share(run, sizes)
     grads = state.grads * (2 if run.grad_accum > 1 else 1)  # the running sum and this micro-batch's
     parts = {

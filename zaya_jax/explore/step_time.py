@@ -7,10 +7,11 @@ recomputation the remat policy adds: a block forward under `full`, the attention
 
 Communication: per axis, the bytes each collective of our schedules moves (`transfers`),
 priced on the links the axis crosses (`collectives.Network`). FSDP's weight gathers, the
-gradient reductions and TSP's expert ring can overlap compute (XLA's scheduler / the ring's
-design), so together they cost only what exceeds the compute time; tensor, sequence, expert
-and TSP's attention collectives sit between dependent matmuls and are counted in full.
-The optimizer adds Muon's Newton–Schulz matmuls (on each device's shard) and one pass over the
+gradient reductions inside the micro-batch loop and TSP's expert ring can overlap compute (XLA's
+scheduler / the ring's design), so together they cost only what exceeds the compute time; tensor,
+sequence, expert and TSP's attention collectives sit between dependent matmuls, and the data
+axis's one reduction (and ZeRO-1's weight gather) comes after the loop: those count in full.
+The optimizer adds Muon's Newton–Schulz matmuls (each device its share of whole matrices) and one pass over the
 state in HBM. MFU = model FLOPs (6N + attention, `train/flops.py`) / (step time × peak × devices).
 """
 
@@ -107,26 +108,40 @@ def transfers(run: Run, sizes: dict[str, int]) -> list[Transfer]:
 
 
 def _gradient_reductions(run: Run, sizes: dict[str, int], where: dict[str, Span]) -> list[Transfer]:
-    """All-reduce of each parameter's gradient over the token-splitting axes that do not shard it
+    """The sum of each parameter's gradient over the token-splitting axes that do not shard it
     (FSDP's and TSP's own reductions are reduce-scatters, counted with their schedules; experts
-    see every token of the expert axis). Inside the micro-batch loop: once per micro-batch."""
-    by_axes: dict[tuple[str, ...], float] = {}
+    see every token of the expert axis). Over `data` once per step, after the micro-batch loop
+    (`parallel/replicas.py`): an all-reduce, or under ZeRO-1 a reduce-scatter onto the optimizer's
+    shard and an all-gather of the updated weights. Over the other axes, inside the loop: once per
+    micro-batch."""
+    looped: dict[tuple[str, ...], float] = {}
+    once = {"all_reduce": 0.0, "reduce_scatter": 0.0, "all_gather": 0.0}
     for g in inventory.param_groups(run.cfg):
         sharded = inventory.sharded_axes(g, sizes)
         axes = tuple(x for x in TOKEN_AXES if sizes[x] > 1 and x not in sharded
                      and not (x == "expert" and g.part == "experts"))
-        if axes:
-            by_axes[axes] = by_axes.get(axes, 0.0) + g.count * inventory.local_bytes(g, sizes)
+        nbytes = g.count * inventory.local_bytes(g, sizes)
+        inner = tuple(x for x in axes if x != "data")
+        if inner:
+            looped[inner] = looped.get(inner, 0.0) + nbytes
+        if "data" in axes:
+            split = inventory.optimizer_split(g, sizes, run.zero1) > 1
+            for op in ("reduce_scatter", "all_gather") if split else ("all_reduce",):
+                once[op] += nbytes
     out = []
-    for axes, nbytes in by_axes.items():
+    for axes, nbytes in looped.items():
         span = Span(math.prod(where[x].intra for x in axes), math.prod(where[x].inter for x in axes))
         out.append(Transfer("+".join(axes), "all_reduce", nbytes, run.grad_accum, True, "gradients", span))
+    what = {"all_reduce": "gradients, once per step", "reduce_scatter": "gradients onto the ZeRO-1 shards",
+            "all_gather": "updated weights from the ZeRO-1 shards"}
+    # After the loop, with no compute left to hide behind: exposed.
+    out += [Transfer("data", op, nbytes, 1, False, what[op], where["data"]) for op, nbytes in once.items() if nbytes]
     return out
 
 
 def optimizer_seconds(run: Run, sizes: dict[str, int]) -> float:
-    """Muon's Newton–Schulz on each device's shard of each matrix, plus one pass over the state."""
-    state = inventory.state_bytes(run.cfg, sizes)
+    """Muon's Newton–Schulz on each device's share of the matrices, plus one pass over the state."""
+    state = inventory.state_bytes(run.cfg, sizes, run.zero1)
     stream = 3 * (state.params + state.grads + state.optimizer)  # read grads and state, write state
     hw = run.hw
     return (newton_schulz_flops(run, sizes) / (hw.peak_bf16_tflops * 1e12 * hw.compute_efficiency)
@@ -135,7 +150,8 @@ def optimizer_seconds(run: Run, sizes: dict[str, int]) -> float:
 
 def newton_schulz_flops(run: Run, sizes: dict[str, int]) -> float:
     """Per device: each iteration of `train/muon.newton_schulz` on an m x n matrix (m <= n) is
-    X·Xᵀ (2m²n), its square (2m³) and that times X (2m²n)."""
+    X·Xᵀ (2m²n), its square (2m³) and that times X (2m²n); a weight's matrices are spread whole
+    over the devices (`rules.spread_axes`), so each device runs its share."""
     total = 0.0
     for g in inventory.param_groups(run.cfg):
         if g.optimizer != "muon":
@@ -144,7 +160,7 @@ def newton_schulz_flops(run: Run, sizes: dict[str, int]) -> float:
         fan_in = math.prod(g.shape[g.view.batch_axes: g.view.batch_axes + g.view.in_axes])
         fan_out = g.elements // (batch * fan_in)
         m, n = min(fan_in, fan_out), max(fan_in, fan_out)
-        total += g.count * batch * run.ns_steps * (4 * m * m * n + 2 * m ** 3) / inventory.shard_count(g, sizes)
+        total += g.count * batch * run.ns_steps * (4 * m * m * n + 2 * m ** 3) / inventory.spread(g, sizes)
     return total
 
 

@@ -11,6 +11,10 @@ the sequence axes (`row_spec`), which is how the layouts keep activations.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
+from typing import Iterator
+
 import jax
 from jax.sharding import PartitionSpec as P
 
@@ -47,10 +51,11 @@ def layout_map(fn, in_specs, out_specs, check_vma: bool):
     all-reduce over one device). Every operand must have a dimension.
     """
     mesh = jax.sharding.get_abstract_mesh()
-    idle = tuple(a for a in mesh.axis_names if mesh.shape[a] == 1)
+    free = tuple(a for a in mesh.axis_names if a not in _WHOLE.get())  # those are manual already
+    idle = tuple(a for a in free if mesh.shape[a] == 1)
     name = lambda tree: jax.tree.map(lambda spec: _naming(spec, idle), tree, is_leaf=lambda x: isinstance(x, P))
     return jax.shard_map(fn, in_specs=name(in_specs), out_specs=name(out_specs),
-                         axis_names=set(mesh.axis_names), check_vma=check_vma)
+                         axis_names=set(free), check_vma=check_vma)
 
 
 def _naming(spec: P, idle: tuple[str, ...]) -> P:
@@ -62,12 +67,31 @@ def _naming(spec: P, idle: tuple[str, ...]) -> P:
     return P(*entries)
 
 
+# Axes over which an enclosing schedule already gave each device its own rows (the data
+# replicas' micro-batch loop, `parallel/replicas.py`): the layer schedules treat those rows as
+# the whole batch and leave these axes alone.
+_WHOLE: contextvars.ContextVar[tuple[str, ...]] = contextvars.ContextVar("zaya_rows_held_whole", default=())
+
+
+@contextlib.contextmanager
+def rows_held_whole(axes: tuple[str, ...]) -> Iterator[None]:
+    """While tracing inside: `axes` are not split axes to the layer schedules (see `_WHOLE`)."""
+    token = _WHOLE.set(_WHOLE.get() + tuple(axes))
+    try:
+        yield
+    finally:
+        _WHOLE.reset(token)
+
+
 def axes_in_context(names=None) -> tuple[str, ...]:
-    """The ambient mesh's axes (of `names`, default all) with more than one device, in mesh order."""
+    """The ambient mesh's axes (of `names`, default all) with more than one device, in mesh order,
+    but for those whose rows are held whole (`rows_held_whole`)."""
     mesh = jax.sharding.get_abstract_mesh()
     if mesh.empty:
         return ()
-    return tuple(a for a in mesh.axis_names if mesh.shape[a] > 1 and (names is None or a in names))
+    whole = _WHOLE.get()
+    return tuple(a for a in mesh.axis_names
+                 if mesh.shape[a] > 1 and a not in whole and (names is None or a in names))
 
 
 def axis_size(name: str) -> int:

@@ -80,15 +80,48 @@ def keep_axes(spec: PartitionSpec, keep: Iterable[str]) -> PartitionSpec:
     return PartitionSpec(*out)
 
 
+def data_split_dim(spec: PartitionSpec, shape, mesh: Mesh) -> int | None:
+    """ZeRO-1: the dimension of an array sharded as `spec` on which its optimizer state is also
+    split over `data` (the first the spec leaves whole and `data` divides), or None."""
+    size = mesh.shape.get("data", 1)
+    if size == 1 or "data" in spec_axes(spec):
+        return None
+    entries = list(spec) + [None] * (len(shape) - len(spec))
+    return next((d for d, n in enumerate(shape) if entries[d] is None and n % size == 0), None)
+
+
+def split_over_data(spec: PartitionSpec, dim: int | None, ndim: int) -> PartitionSpec:
+    """`spec` with `data` added on `dim` (unchanged for None)."""
+    if dim is None:
+        return spec
+    entries = list(spec) + [None] * (ndim - len(spec))
+    entries[dim] = "data"
+    return PartitionSpec(*entries)
+
+
 def named_sharding(logical_axes, mesh: Mesh, shape=None) -> NamedSharding:
     return NamedSharding(mesh, partition_spec(logical_axes, mesh, shape))
 
 
+def spread_axes(count: int, sizes: dict[str, int]) -> tuple[str, ...]:
+    """The mesh axes a batch of `count` whole matrices spreads over (Muon's Newton–Schulz): the
+    `matrices` rule's axes in order, each taken while the devices so far still divide `count`."""
+    axes, devices = [], 1
+    for axis in RULES["matrices"]:
+        size = sizes.get(axis, 1)
+        if size > 1 and count % (devices * size) == 0:
+            axes.append(axis)
+            devices *= size
+    return tuple(axes)
+
+
 def spread_matrices(mesh: Mesh):
-    """`place(batch)`: a [matrices, m, n] batch laid out by the `matrices` rule (whole matrices per
-    device), for Muon's Newton–Schulz."""
+    """`place(batch)`: a [matrices, m, n] batch with whole matrices spread over the devices
+    (`spread_axes`), for Muon's Newton–Schulz: each device orthogonalises its share only."""
 
     def place(batch):
-        return jax.lax.with_sharding_constraint(batch, named_sharding(("matrices", None, None), mesh, batch.shape))
+        axes = spread_axes(batch.shape[0], dict(mesh.shape))
+        spec = PartitionSpec(axes[0] if len(axes) == 1 else (axes or None), None, None)
+        return jax.lax.with_sharding_constraint(batch, NamedSharding(mesh, spec))
 
     return place

@@ -29,7 +29,8 @@ from zaya_jax.experiment import Experiment, load_experiment
 from zaya_jax.kernels.registry import device_target, resolve, targeting
 from zaya_jax.parallel.mesh import mesh_for
 from zaya_jax.parallel.mesh_layout import MESH
-from zaya_jax.parallel.rules import named_sharding, spread_matrices
+from zaya_jax.parallel.replicas import reduce_once
+from zaya_jax.parallel.rules import data_split_dim, named_sharding, split_over_data, spread_matrices
 from zaya_jax.train import bad_steps, balancing
 from zaya_jax.train.model_state import ModelDef, init_arrays, model_def
 from zaya_jax.train.optim import build_optimizer
@@ -47,13 +48,15 @@ class Program:
     def __post_init__(self):
         c = self.exp.config
         self.target = self.target or self.devices_target
+        self.data_split = self._data_split()
         self.tx, self.schedule = build_optimizer(c.optim, c.train.steps, self.modeldef.param_axes,
                                                  spread=spread_matrices(self.mesh))
         self.balance_tx = balancing.balancer(c.optim.balance_lr, c.optim.balance_b1, c.optim.balance_b2)
         # The mesh's schedules run the layers; they look at which axes are split when traced.
         self.step_cfg = StepConfig(remat=c.train.remat, scan_layers=c.train.scan_layers,
                                    scan_unroll=c.train.scan_unroll, vocab_chunk=c.train.loss_vocab_chunk, layout=MESH,
-                                   guard=bad_steps.GuardSettings.from_config(c.fault))
+                                   guard=bad_steps.GuardSettings.from_config(c.fault),
+                                   reduction=functools.partial(reduce_once, scatter=self.data_split))
         self._rows: dict[int, list[int]] = {}  # local_rows by batch size: asked every step
         self._abstract = jax.eval_shape(self._init)  # traced once: shardings and AOT compile share it
         self.state_shardings = self._state_shardings()
@@ -82,19 +85,34 @@ class Program:
         params, biases = init_arrays(self.modeldef.cfg, self.exp.config.train.seed)
         return init_state(params, biases, self.tx, self.balance_tx, self.step_cfg.guard)
 
+    def _data_split(self) -> dict[str, int | None]:
+        """ZeRO-1 (`optim.shard_over_data`): per parameter, the dimension its optimizer state and
+        reduced gradient split over `data` (None: kept whole, as every one is with the setting off)."""
+        shapes, on = self.modeldef.param_shapes, self.exp.config.optim.shard_over_data
+        return {k: data_split_dim(s.spec, shapes[k], self.mesh) if on else None
+                for k, s in self.param_shardings().items()}
+
+    def optimizer_shardings(self) -> dict[str, NamedSharding]:
+        """Where each parameter's optimizer state lives: its own sharding, split over `data` by ZeRO-1."""
+        shapes = self.modeldef.param_shapes
+        return {k: NamedSharding(self.mesh, split_over_data(s.spec, self.data_split[k], len(shapes[k])))
+                for k, s in self.param_shardings().items()}
+
     def _state_shardings(self) -> TrainState:
-        """Optimizer moments follow their parameter's sharding; everything else is replicated."""
-        by_param = self.param_shardings()
+        """Optimizer moments follow their parameter's sharding (ZeRO-1: split over `data` too);
+        everything else is replicated."""
+        by_state = self.optimizer_shardings()
         shapes = self.modeldef.param_shapes
 
         def pick(path, leaf):
             keys = [p.key for p in path if isinstance(p, jax.tree_util.DictKey)]
             for key in reversed(keys):
-                if key in by_param and tuple(leaf.shape) == shapes[key]:
-                    return by_param[key]
+                if key in by_state and tuple(leaf.shape) == shapes[key]:
+                    return by_state[key]
             return self.replicated()
 
-        return jax.tree_util.tree_map_with_path(pick, self._abstract)
+        shardings = jax.tree_util.tree_map_with_path(pick, self._abstract)
+        return dataclasses.replace(shardings, params=self.param_shardings())
 
     def abstract_batch(self, eval_size: int | None = None) -> dict[str, jax.ShapeDtypeStruct]:
         """A train step's batch ([A, micro, S]), or with `eval_size` a held-out batch ([size, S])."""

@@ -1,7 +1,8 @@
 """The train step and the eval step: pure functions of (state, batch), jitted over the run's mesh.
 
 One train step = gradient accumulation over the global batch's micro-batches (a `lax.scan`,
-summing token-weighted losses so the result equals one big batch), global-norm clipping and
+summing token-weighted losses so the result equals one big batch; the program's `reduction`
+makes each data-parallel replica accumulate its own and reduces once), global-norm clipping and
 the Muon/AdamW update, then the balancing-bias update from the expert counts of the whole
 global batch. The loss is the vocabulary-chunked cross-entropy on the fp32 final hidden states.
 A bad step (`train/bad_steps.py`: non-finite or spiking loss or gradient norm) keeps the state
@@ -11,6 +12,7 @@ as it was, but for the guard's counters.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any, Callable
 
 import jax
@@ -46,6 +48,9 @@ class StepConfig:
     scan_unroll: int = 1  # blocks per scan iteration (XLA compiles that many copies)
     vocab_chunk: int = 16384
     layout: Layout = LOCAL  # how the layers run over the program's devices (the program picks it)
+    # Wraps the micro-batch loop so gradients are reduced once per step (the program hands it
+    # `parallel.replicas.reduce_once`); None: the loop alone, GSPMD reducing inside it.
+    reduction: Callable | None = None
     guard: bad_steps.GuardSettings = bad_steps.GuardSettings()
 
 
@@ -85,8 +90,11 @@ def make_train_step(modeldef: ModelDef, tx: optax.GradientTransformation, balanc
     """`train_step(state, batches) -> (state, metrics)`; `batches` leaves are [A, b, S]."""
     bias_key = modeldef.bias_key
 
+    accumulate = functools.partial(accumulate_gradients, modeldef, cfg=cfg)
+    accumulate = cfg.reduction(accumulate) if cfg.reduction else accumulate
+
     def train_step(state: TrainState, batches):
-        grads, loss_sum, ntok, counts = accumulate_gradients(modeldef, state.params, state.biases, batches, cfg)
+        grads, loss_sum, ntok, counts = accumulate(state.params, state.biases, batches)
         denom = jnp.maximum(ntok, 1.0)
         grads = jax.tree.map(lambda g: g / denom, grads)
         loss, grad_norm = loss_sum / denom, optax.global_norm(grads)

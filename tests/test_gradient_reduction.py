@@ -1,0 +1,121 @@
+"""Gradients reduced once per step (parallel/replicas.py) and ZeRO-1 (optim.shard_over_data),
+counted in the compiled train step on fake CPU devices with explore/hlo_census.py."""
+
+import math
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from zaya_jax.experiment import load_experiment
+from zaya_jax.explore.hlo_census import census, total
+from zaya_jax.parallel.mesh import build_mesh
+from zaya_jax.parallel.axes import MESH_AXES
+from zaya_jax.train.program import build_program
+
+TINY = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "experiments", "tiny_cpu.py")
+RUN = ["--config.train.global_batch_size=16", "--config.train.seq_len=32", "--config.model.num_hidden_layers=2",
+       "--config.train.loss_vocab_chunk=100", "--config.mesh.data=1"]
+
+
+def _program(accum, *extra, **mesh):
+    overrides = RUN + [f"--config.train.grad_accum_steps={accum}", *extra]
+    overrides += [f"--config.mesh.{axis}={size}" for axis, size in mesh.items()]
+    return build_program(load_experiment(TINY, overrides), jax.devices()[:math.prod(mesh.values())])
+
+
+def _over_data(program):
+    """(op, bytes, runs) of every reduction spanning `data` in the compiled step."""
+    compiled, _ = program.compile_train_step()
+    return sorted((c.op, c.bytes, c.runs) for c in census(compiled.as_text(), dict(program.mesh.shape))
+                  if c.op in ("all-reduce", "reduce-scatter") and "data" in c.axes)
+
+
+def _shard_bytes(program, shardings, keys):
+    shapes = program.modeldef.param_shapes
+    return sum(4 * math.prod(shardings[k].shard_shape(shapes[k])) for k in keys)
+
+
+@pytest.mark.parametrize("mesh", [dict(data=2), dict(data=2, fsdp=2, tsp=2)], ids=str)
+def test_gradients_are_reduced_over_data_once_per_step_whatever_the_micro_batch_count(mesh):
+    one, four = _over_data(_program(1, **mesh)), _over_data(_program(4, **mesh))
+    assert one == four  # the same reductions, not four times as many
+    assert {runs for _, _, runs in four} == {1}  # none inside the micro-batch loop
+
+
+def test_zero1_reduce_scatters_each_split_gradient_onto_its_optimizer_shard():
+    program = _program(4, data=2)
+    reductions = _over_data(program)
+    split = [k for k, dim in program.data_split.items() if dim is not None]
+    assert split and len(split) == len(program.data_split)  # every weight of the tiny model splits
+    scattered = sum(b * runs for op, b, runs in reductions if op == "reduce-scatter")
+    assert scattered == _shard_bytes(program, program.optimizer_shardings(), split)
+
+
+def test_without_zero1_every_gradient_is_all_reduced_once():
+    program = _program(4, "--config.optim.shard_over_data=false", data=2)
+    reductions = _over_data(program)
+    assert not [r for r in reductions if r[0] == "reduce-scatter"]
+    grads = _shard_bytes(program, program.param_shardings(), program.data_split)
+    # The gradients, plus the loss, token count and expert counts [L, E+1] summed with them, and
+    # the bad-step guard's two norms: a few hundred bytes of scalars XLA packs in beside them.
+    summed = sum(b * runs for _, b, runs in reductions)
+    assert grads <= summed <= grads + 1024
+
+
+def test_zero1_divides_the_optimizer_states_device_bytes_by_the_data_degree():
+    off, on = _program(1, "--config.optim.shard_over_data=false", data=8), _program(1, data=8)
+    measured = [p.lower_train_step().compile().memory_analysis().argument_size_in_bytes for p in (off, on)]
+
+    def moments(program):  # per-device bytes of each optimizer moment, as the program places it
+        placed = jax.tree.leaves(program.placed_abstract_state().opt_state)
+        return [4 * math.prod(x.sharding.shard_shape(x.shape)) for x in placed if x.ndim > 0]
+
+    whole, split = moments(off), moments(on)
+    assert measured[0] - measured[1] == sum(whole) - sum(split)  # params, batch and scalars unchanged
+    assert sum(split) <= sum(whole) / 8 * 1.01  # all but a few bytes of it split 8 ways
+
+
+def test_the_data_replicas_micro_batch_loop_equals_one_device():
+    # The same batch in 4 micro-batches on data=2 (ZeRO-1) and in one on one device: loss and update.
+    def run(accum, **mesh):
+        program = _program(accum, "--config.optim.lr=1e-2", "--config.optim.warmup_steps=1", **mesh)
+        state, step = program.init(), program.jitted_train_step()
+        batch = _batch(program)
+        state, metrics = step(state, program.place_batch(batch))
+        return float(metrics["loss"]), jax.device_get(state.params)
+
+    loss, params = run(4, data=2)
+    ref_loss, ref_params = run(1, data=1)
+    np.testing.assert_allclose(loss, ref_loss, rtol=2e-6)
+    for key in ref_params:
+        np.testing.assert_allclose(params[key], ref_params[key], rtol=1e-4, atol=2e-6, err_msg=key)
+
+
+def _batch(program):
+    rng = np.random.default_rng(0)
+    rows, seq = program.exp.config.train.global_batch_size, program.exp.config.train.seq_len
+    return {"inputs": rng.integers(0, 259, (rows, seq), dtype=np.int32),
+            "targets": rng.integers(0, 259, (rows, seq), dtype=np.int32),
+            "segment_ids": np.ones((rows, seq), np.int32),
+            "positions": np.tile(np.arange(seq, dtype=np.int32), (rows, 1)),
+            "loss_mask": np.ones((rows, seq), np.float32)}
+
+
+def test_census_counts_a_collective_once_per_loop_iteration_and_names_its_axes():
+    mesh = build_mesh({a: 2 if a in ("data", "tsp") else 1 for a in MESH_AXES}, jax.devices()[:4])
+
+    def body(x):
+        def step(_, y):
+            return jax.lax.psum(y, "data") * 0.5
+        return jax.lax.fori_loop(0, 3, step, x) + jax.lax.psum(x, "tsp")
+
+    fn = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P(("data", "tsp")), out_specs=P(("data", "tsp")),
+                               check_vma=False))
+    x = jax.device_put(jnp.ones((8, 4)), NamedSharding(mesh, P(("data", "tsp"))))
+    found = census(fn.lower(x).compile().as_text(), dict(mesh.shape))
+    assert total(found, "all-reduce", "data") == (3, 3 * 2 * 4 * 4)  # [2, 4] f32 per device, 3 times
+    assert total(found, "all-reduce", "tsp") == (1, 2 * 4 * 4)

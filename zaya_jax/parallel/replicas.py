@@ -1,0 +1,63 @@
+"""Data-parallel replicas: each accumulates its own micro-batches' gradients, reduced once per step.
+
+Under GSPMD alone, the gradient of a weight replicated over `data` is all-reduced inside the
+micro-batch loop, once per micro-batch: XLA does not move a reduction out of a loop. Here the
+accumulation runs in a `shard_map` manual over `data` only. Each replica differentiates its own
+rows; the other mesh axes stay with GSPMD and the layer schedules, which see `data` as already
+split and leave it alone (`batch_map.rows_held_whole`). The sums leave the loop unreduced and are
+reduced once: summed over `data` (an all-reduce), or, for a leaf whose optimizer state is split
+over `data` (ZeRO-1, `optim.shard_over_data`), reduce-scattered onto that split. The loss, token
+and expert counts are summed with them.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import jax
+from jax.sharding import PartitionSpec as P
+
+from zaya_jax.parallel.batch_map import axes_in_context, axis_size, rows_held_whole
+
+AXIS = "data"
+
+
+def reduce_once(accumulate: Callable, scatter: dict[str, int | None]) -> Callable:
+    """`run(params, biases, batches) -> (grads, loss_sum, tokens, counts)`: `accumulate` (the step's
+    micro-batch loop, same signature) on each data replica's rows of the [A, b, S] batches. A
+    gradient whose path has a dimension in `scatter` comes back split over `data` on it; every
+    other result comes back summed. Without a `data` axis to split, `accumulate` itself."""
+
+    def run(params, biases, batches):
+        if replicas() == 1:
+            return accumulate(params, biases, batches)
+
+        def local(params, biases, batches):
+            with rows_held_whole((AXIS,)):
+                grads, loss, tokens, counts = accumulate(params, biases, batches)
+            grads = {k: _reduce(g, scatter.get(k)) for k, g in grads.items()}
+            return (grads, *jax.lax.psum((loss, tokens, counts), AXIS))
+
+        grad_specs = {k: _split(scatter.get(k), params[k].ndim) for k in params}
+        # check_vma=False: the gradients are taken inside, of the replica's own rows; with vma
+        # checks JAX would sum them over `data` at every use of a weight (once per micro-batch).
+        mapped = jax.shard_map(local, in_specs=(P(), P(), P(None, AXIS)), out_specs=(grad_specs, P(), P(), P()),
+                               axis_names={AXIS}, check_vma=False)
+        return mapped(params, biases, batches)
+
+    return run
+
+
+def replicas() -> int:
+    """The data-parallel degree of the mesh the step is traced under (1: none)."""
+    return axis_size(AXIS) if axes_in_context((AXIS,)) else 1
+
+
+def _reduce(g, dim: int | None):
+    if dim is None:
+        return jax.lax.psum(g, AXIS)
+    return jax.lax.psum_scatter(g, AXIS, scatter_dimension=dim, tiled=True)
+
+
+def _split(dim: int | None, ndim: int) -> P:
+    return P() if dim is None else P(*[AXIS if d == dim else None for d in range(ndim)])
