@@ -20,7 +20,8 @@ import jax.numpy as jnp
 from zaya_jax.config import ModelConfig
 from zaya_jax.model.layer_stack import LAYER_AXIS, is_stacked
 from zaya_jax.model.params import PARAM_DTYPE
-from zaya_jax.parallel.rules import data_split_dim, partition_spec, spec_axes, spread_axes
+from zaya_jax.parallel import muon_spread
+from zaya_jax.parallel.rules import data_split_dim, partition_spec, spec_axes
 from zaya_jax.train.muon import MatrixView
 from zaya_jax.train.optim import rule_for
 
@@ -118,10 +119,9 @@ def optimizer_split(group: ParamGroup, sizes: dict[str, int], zero1: bool) -> in
     return sizes.get("data", 1) if zero1 and _data_split(group, tuple(sizes.items())) else 1
 
 
-def spread(group: ParamGroup, sizes: dict[str, int]) -> int:
-    """Over how many devices Muon spreads the weight's whole matrices (`rules.spread_axes`)."""
-    matrices = group.count * math.prod(group.shape[: group.view.batch_axes])
-    return math.prod(sizes[a] for a in spread_axes(matrices, sizes))
+def ns_share(group: ParamGroup, sizes: dict[str, int]) -> int:
+    """How many of the weight's whole matrices each device orthogonalises (`parallel/muon_spread`)."""
+    return muon_spread.share(group.count * math.prod(group.shape[: group.view.batch_axes]), sizes)
 
 
 def stored(group: ParamGroup) -> tuple[tuple[int, ...], tuple[str, ...]]:

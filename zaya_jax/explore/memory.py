@@ -21,6 +21,7 @@ collective scratch and fragmentation.
 from __future__ import annotations
 
 import dataclasses
+import math
 
 from zaya_jax.explore import inventory
 from zaya_jax.explore.workload import Run, Share, share
@@ -140,9 +141,9 @@ def schedule_bytes(run: Run, sizes: dict[str, int], s: Share) -> dict[str, float
 
 def muon_temporaries(run: Run, sizes: dict[str, int]) -> float:
     """Newton–Schulz works on one weight at a time, its matrices spread whole over the devices
-    (`inventory.spread`): about three fp32 copies of the largest device share."""
+    (`inventory.ns_share`): about three fp32 copies of the largest device share."""
     muon = [g for g in inventory.param_groups(run.cfg) if g.optimizer == "muon"]
-    share = [g.count * g.elements * F32 / inventory.spread(g, sizes) for g in muon]
+    share = [inventory.ns_share(g, sizes) * g.elements / math.prod(g.shape[: g.view.batch_axes]) * F32 for g in muon]
     return 3 * max(share) if share else 0.0
 
 

@@ -151,7 +151,7 @@ def optimizer_seconds(run: Run, sizes: dict[str, int]) -> float:
 def newton_schulz_flops(run: Run, sizes: dict[str, int]) -> float:
     """Per device: each iteration of `train/muon.newton_schulz` on an m x n matrix (m <= n) is
     X·Xᵀ (2m²n), its square (2m³) and that times X (2m²n); a weight's matrices are spread whole
-    over the devices (`rules.spread_axes`), so each device runs its share."""
+    over the devices (`parallel/muon_spread`), so each device runs its share."""
     total = 0.0
     for g in inventory.param_groups(run.cfg):
         if g.optimizer != "muon":
@@ -160,7 +160,7 @@ def newton_schulz_flops(run: Run, sizes: dict[str, int]) -> float:
         fan_in = math.prod(g.shape[g.view.batch_axes: g.view.batch_axes + g.view.in_axes])
         fan_out = g.elements // (batch * fan_in)
         m, n = min(fan_in, fan_out), max(fan_in, fan_out)
-        total += g.count * batch * run.ns_steps * (4 * m * m * n + 2 * m ** 3) / inventory.spread(g, sizes)
+        total += inventory.ns_share(g, sizes) * run.ns_steps * (4 * m * m * n + 2 * m ** 3)
     return total
 
 

@@ -9,6 +9,8 @@ math, not the other way round.
 
 from __future__ import annotations
 
+import jax.numpy as jnp
+
 
 class Layout:
     """One device: every method runs its work locally (returning None means "do it yourself")."""
@@ -24,6 +26,10 @@ class Layout:
     def run_kernel(self, kernel: str, backend: str, fn, batched: tuple, replicated: tuple = ()):
         """fn(*batched, *replicated): a token-wise kernel (norm, whole-sequence attention)."""
         return fn(*batched, *replicated)
+
+    def embed(self, table, ids):
+        """The rows of the embedding `table` [V, H] for token `ids` [B, S]."""
+        return jnp.take(table, ids, axis=0)
 
 
 LOCAL = Layout()

@@ -64,7 +64,7 @@ class Zaya(nnx.Module):
         """
         cfg, dtype = self.cfg, self.compute_dtype
         seq = sequence_info(input_ids.shape, segment_ids, positions, max_lag=max_lag(cfg))
-        h = self.input_affine(jnp.take(self.embedding[...], input_ids, axis=0))
+        h = self.input_affine(layout.embed(self.embedding[...], input_ids))
         no_router_state = jnp.zeros((*h.shape[:-1], cfg.router_hidden_size), jnp.float32)
 
         def step(block, h, router_state):

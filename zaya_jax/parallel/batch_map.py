@@ -83,6 +83,11 @@ def rows_held_whole(axes: tuple[str, ...]) -> Iterator[None]:
         _WHOLE.reset(token)
 
 
+def rows_held_whole_over() -> tuple[str, ...]:
+    """The axes `rows_held_whole` names while tracing (empty outside it)."""
+    return _WHOLE.get()
+
+
 def axes_in_context(names=None) -> tuple[str, ...]:
     """The ambient mesh's axes (of `names`, default all) with more than one device, in mesh order,
     but for those whose rows are held whole (`rows_held_whole`)."""

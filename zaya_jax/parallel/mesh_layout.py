@@ -1,16 +1,21 @@
 """The model's `Layout` on a device mesh: attention, experts and kernels run by the layout schedules.
 
 `MeshLayout` routes each layer to `attention_layout` (tsp, tensor or sequence split), to
-`experts_layout` (any split axis: each device sorts only its own tokens) and to
-`batch_map.run_kernel` (Pallas kernels shard_mapped over the batch and sequence axes). Each asks
+`experts_layout` (any split axis: each device sorts only its own tokens), to
+`batch_map.run_kernel` (Pallas kernels shard_mapped over the batch and sequence axes), and looks
+up the embedding. Each asks
 the mesh it is traced under (`Program` traces under its own) which axes are split.
 """
 
 from __future__ import annotations
 
+import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
+
 from zaya_jax.model.layout import Layout
 from zaya_jax.parallel import attention_layout, experts_layout
-from zaya_jax.parallel.batch_map import run_kernel
+from zaya_jax.parallel.batch_map import rows_held_whole_over, run_kernel
 
 
 class MeshLayout(Layout):
@@ -24,6 +29,14 @@ class MeshLayout(Layout):
 
     def run_kernel(self, kernel, backend, fn, batched, replicated=()):
         return run_kernel(kernel, backend, fn, batched, replicated)
+
+    def embed(self, table, ids):
+        if rows_held_whole_over():
+            # Inside the data replicas' loop, XLA's SPMD partitioner aborts on a gather from a
+            # table split over the other axes (data x fsdp x tensor; jax 0.10): gather the table
+            # first, as FSDP does for its use as the LM head.
+            table = jax.lax.with_sharding_constraint(table, P())
+        return jnp.take(table, ids, axis=0)
 
 
 MESH = MeshLayout()

@@ -103,25 +103,7 @@ def named_sharding(logical_axes, mesh: Mesh, shape=None) -> NamedSharding:
     return NamedSharding(mesh, partition_spec(logical_axes, mesh, shape))
 
 
-def spread_axes(count: int, sizes: dict[str, int]) -> tuple[str, ...]:
-    """The mesh axes a batch of `count` whole matrices spreads over (Muon's Newton–Schulz): the
-    `matrices` rule's axes in order, each taken while the devices so far still divide `count`."""
-    axes, devices = [], 1
-    for axis in RULES["matrices"]:
-        size = sizes.get(axis, 1)
-        if size > 1 and count % (devices * size) == 0:
-            axes.append(axis)
-            devices *= size
-    return tuple(axes)
-
-
-def spread_matrices(mesh: Mesh):
-    """`place(batch)`: a [matrices, m, n] batch with whole matrices spread over the devices
-    (`spread_axes`), for Muon's Newton–Schulz: each device orthogonalises its share only."""
-
-    def place(batch):
-        axes = spread_axes(batch.shape[0], dict(mesh.shape))
-        spec = PartitionSpec(axes[0] if len(axes) == 1 else (axes or None), None, None)
-        return jax.lax.with_sharding_constraint(batch, NamedSharding(mesh, spec))
-
-    return place
+def spread_axes(sizes: dict[str, int]) -> tuple[str, ...]:
+    """The mesh axes Muon's whole matrices are spread over for Newton–Schulz: every axis of the
+    `matrices` rule with more than one device (the batch is padded to a multiple of them)."""
+    return tuple(a for a in RULES["matrices"] if sizes.get(a, 1) > 1)

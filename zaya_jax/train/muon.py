@@ -10,6 +10,7 @@ AdamW's learning rate and weight decay.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from typing import Callable, NamedTuple
 
@@ -48,17 +49,16 @@ def newton_schulz(g: jax.Array, steps: int = 5, eps: float = 1e-7) -> jax.Array:
     return x if wide else jnp.swapaxes(x, -1, -2)
 
 
-def orthogonal_update(m: jax.Array, view: MatrixView, steps: int, rms: float,
-                      spread: Callable[[jax.Array], jax.Array] | None = None) -> jax.Array:
-    """The Muon direction of `m`. `spread` places the [matrices, fan_in, fan_out] batch before the
-    Newton–Schulz iterations (the program spreads whole matrices over its devices, so each one
-    orthogonalises its share instead of every device gathering and orthogonalising them all)."""
+def orthogonal_update(m: jax.Array, view: MatrixView, steps: int, rms: float, spread: Callable | None = None) -> jax.Array:
+    """The Muon direction of `m`. `spread(fn, batch)` runs the Newton–Schulz iterations over the
+    [matrices, fan_in, fan_out] batch (the program's `parallel.muon_spread`: whole matrices spread
+    over its devices, each orthogonalising its share a few at a time); None: all here at once."""
     mats = view.to_matrices(m.astype(jnp.float32))
     scale = rms * math.sqrt(max(mats.shape[-2], mats.shape[-1]))
     batch = mats.reshape(-1, *mats.shape[-2:])
-    if spread is not None:
-        batch = spread(batch)
-    return (newton_schulz(batch, steps) * scale).reshape(m.shape).astype(m.dtype)
+    orthogonalise = functools.partial(newton_schulz, steps=steps)
+    out = orthogonalise(batch) if spread is None else spread(orthogonalise, batch)
+    return (out * scale).reshape(m.shape).astype(m.dtype)
 
 
 class MuonState(NamedTuple):

@@ -92,7 +92,8 @@ def stacked_view(view: MatrixView, axes: tuple[str, ...] | None) -> MatrixView:
 
 def build_optimizer(optim, total_steps: int, param_axes, spread=None) -> tuple[optax.GradientTransformation, optax.Schedule]:
     """optax transform for a flat `{path: array}` param dict, given `{path: logical axes}`, and
-    its learning-rate schedule. `spread` places Muon's batches of matrices (see `muon.orthogonal_update`)."""
+    its learning-rate schedule. `spread` runs Muon's Newton–Schulz over its batches of matrices (see
+    `muon.orthogonal_update`)."""
     rules = {path: rule_for(path) for path in param_axes}
     labels = {path: rule.optimizer for path, rule in rules.items()}
     decay_mask = {path: rule.decay for path, rule in rules.items()}

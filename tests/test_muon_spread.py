@@ -1,0 +1,58 @@
+"""Muon's distributed Newton–Schulz (parallel/muon_spread.py) against the plain batched one, and
+its per-device work in the compiled optimizer update falling with the number of devices."""
+
+import math
+import os
+import re
+
+import jax
+import numpy as np
+import pytest
+
+from zaya_jax.experiment import load_experiment
+from zaya_jax.parallel.axes import MESH_AXES
+from zaya_jax.parallel.mesh import build_mesh
+from zaya_jax.parallel.muon_spread import spread_matrices
+from zaya_jax.train.muon import newton_schulz
+from zaya_jax.train.program import build_program
+
+TINY = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "experiments", "tiny_cpu.py")
+
+
+def _mesh(**sizes):
+    return build_mesh({a: sizes.get(a, 1) for a in MESH_AXES}, jax.devices()[:math.prod(sizes.values())])
+
+
+@pytest.mark.parametrize("count, per_pass, passes", [(16, 1, 2), (16, 2, 1), (6, 1, 1), (20, 1, 3), (16, 16, 1)],
+                         ids=["2 passes of 1", "one pass of 2", "6 padded to one each", "20 padded to 3 passes",
+                              "at most 16 a pass: one"])
+def test_spread_newton_schulz_equals_the_plain_one(count, per_pass, passes):
+    batch = np.random.default_rng(0).normal(size=(count, 8, 12)).astype(np.float32)
+    run = spread_matrices(_mesh(data=4, fsdp=2), pass_elements=per_pass * 8 * 12)
+    fn = jax.jit(lambda b: run(newton_schulz, b))
+    np.testing.assert_allclose(fn(batch), jax.jit(newton_schulz)(batch), rtol=2e-5, atol=2e-6)
+    loops = re.findall(r'"known_trip_count":\{"n":"(\d+)"\}', fn.lower(batch).compile().as_text())
+    assert loops == ([str(passes)] if passes > 1 else [])
+
+
+def _optimizer_flops(layers, **mesh):
+    overrides = ["--config.train.global_batch_size=8", "--config.train.seq_len=32", "--config.mesh.data=1",
+                 f"--config.model.num_hidden_layers={layers}", *[f"--config.mesh.{a}={n}" for a, n in mesh.items()]]
+    program = build_program(load_experiment(TINY, overrides), jax.devices()[:math.prod(mesh.values())])
+    state, shardings = program.placed_abstract_state(), program.state_shardings
+
+    def update(params, opt_state, grads):
+        with jax.sharding.use_abstract_mesh(program.mesh.abstract_mesh):
+            return program.tx.update(grads, opt_state, params)
+
+    step = jax.jit(update, in_shardings=(shardings.params, shardings.opt_state, shardings.params))
+    cost = step.lower(state.params, state.opt_state, state.params).compile().cost_analysis()
+    return (cost[0] if isinstance(cost, list) else cost)["flops"]
+
+
+def test_each_device_orthogonalises_its_share_of_the_matrices():
+    # 8 layers: every Muon weight has a multiple of 8 matrices. Newton–Schulz is nearly all of the
+    # update's FLOPs, so a device's FLOPs fall by the device count, under data (ZeRO-1) and fsdp.
+    one = _optimizer_flops(8, data=1)
+    for mesh in (dict(data=8), dict(fsdp=8)):
+        assert _optimizer_flops(8, **mesh) / one == pytest.approx(1 / 8, rel=0.05), mesh
