@@ -9,8 +9,9 @@ Communication: per axis, the bytes each collective of our schedules moves (`tran
 priced on the links the axis crosses (`collectives.Network`). FSDP's weight gathers, the
 gradient reductions inside the micro-batch loop and TSP's expert ring can overlap compute (XLA's
 scheduler / the ring's design), so together they cost only what exceeds the compute time; tensor,
-sequence, expert and TSP's attention collectives sit between dependent matmuls, and the data
-axis's one reduction (and ZeRO-1's weight gather) comes after the loop: those count in full.
+sequence, expert and TSP's attention collectives sit between dependent matmuls, and with several
+micro-batches the data axis's one reduction comes after the loop (ZeRO-1's weight gather after
+the update, always): those count in full.
 The optimizer adds Muon's Newton–Schulz matmuls (each device its share of whole matrices) and one pass over the
 state in HBM. MFU = model FLOPs (6N + attention, `train/flops.py`) / (step time × peak × devices).
 """
@@ -110,10 +111,11 @@ def transfers(run: Run, sizes: dict[str, int]) -> list[Transfer]:
 def _gradient_reductions(run: Run, sizes: dict[str, int], where: dict[str, Span]) -> list[Transfer]:
     """The sum of each parameter's gradient over the token-splitting axes that do not shard it
     (FSDP's and TSP's own reductions are reduce-scatters, counted with their schedules; experts
-    see every token of the expert axis). Over `data` once per step, after the micro-batch loop
-    (`parallel/replicas.py`): an all-reduce, or under ZeRO-1 a reduce-scatter onto the optimizer's
-    shard and an all-gather of the updated weights. Over the other axes, inside the loop: once per
-    micro-batch."""
+    see every token of the expert axis). With several micro-batches the `data` part runs once,
+    after the loop (`parallel/replicas.py`): an all-reduce, or under ZeRO-1 a reduce-scatter onto
+    the optimizer's shard; the other axes' parts stay in the loop, once per micro-batch. With one
+    micro-batch GSPMD reduces over all of them at once inside the backward. ZeRO-1 then gathers
+    the updated weights over `data`."""
     looped: dict[tuple[str, ...], float] = {}
     once = {"all_reduce": 0.0, "reduce_scatter": 0.0, "all_gather": 0.0}
     for g in inventory.param_groups(run.cfg):
@@ -121,20 +123,20 @@ def _gradient_reductions(run: Run, sizes: dict[str, int], where: dict[str, Span]
         axes = tuple(x for x in TOKEN_AXES if sizes[x] > 1 and x not in sharded
                      and not (x == "expert" and g.part == "experts"))
         nbytes = g.count * inventory.local_bytes(g, sizes)
-        inner = tuple(x for x in axes if x != "data")
+        split = "data" in axes and inventory.optimizer_split(g, sizes, run.zero1) > 1
+        inner = axes if run.grad_accum == 1 else tuple(x for x in axes if x != "data")
         if inner:
             looped[inner] = looped.get(inner, 0.0) + nbytes
-        if "data" in axes:
-            split = inventory.optimizer_split(g, sizes, run.zero1) > 1
-            for op in ("reduce_scatter", "all_gather") if split else ("all_reduce",):
-                once[op] += nbytes
+        if "data" in axes and "data" not in inner:
+            once["reduce_scatter" if split else "all_reduce"] += nbytes
+        once["all_gather"] += nbytes if split else 0.0
     out = []
     for axes, nbytes in looped.items():
         span = Span(math.prod(where[x].intra for x in axes), math.prod(where[x].inter for x in axes))
         out.append(Transfer("+".join(axes), "all_reduce", nbytes, run.grad_accum, True, "gradients", span))
     what = {"all_reduce": "gradients, once per step", "reduce_scatter": "gradients onto the ZeRO-1 shards",
             "all_gather": "updated weights from the ZeRO-1 shards"}
-    # After the loop, with no compute left to hide behind: exposed.
+    # After the loop (or the update) there is no compute left to hide behind.
     out += [Transfer("data", op, nbytes, 1, False, what[op], where["data"]) for op, nbytes in once.items() if nbytes]
     return out
 

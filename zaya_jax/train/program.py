@@ -57,7 +57,7 @@ class Program:
         self.step_cfg = StepConfig(remat=c.train.remat, scan_layers=c.train.scan_layers,
                                    scan_unroll=c.train.scan_unroll, vocab_chunk=c.train.loss_vocab_chunk, layout=MESH,
                                    guard=bad_steps.GuardSettings.from_config(c.fault),
-                                   reduction=functools.partial(reduce_once, scatter=self.data_split))
+                                   reduction=self._reduction())
         self._rows: dict[int, list[int]] = {}  # local_rows by batch size: asked every step
         self._abstract = jax.eval_shape(self._init)  # traced once: shardings and AOT compile share it
         self.state_shardings = self._state_shardings()
@@ -85,6 +85,14 @@ class Program:
     def _init(self) -> TrainState:
         params, biases = init_arrays(self.modeldef.cfg, self.exp.config.train.seed)
         return init_state(params, biases, self.tx, self.balance_tx, self.step_cfg.guard)
+
+    def _reduction(self):
+        """How the step reduces gradients over `data`: with several micro-batches, once after the
+        loop (`parallel/replicas.py`); with one, GSPMD's reductions inside the backward, which XLA
+        can overlap with the layers still to differentiate (a reduction after the loop cannot)."""
+        if self.exp.config.train.grad_accum_steps == 1:
+            return None
+        return functools.partial(reduce_once, scatter=self.data_split)
 
     def _data_split(self) -> dict[str, int | None]:
         """ZeRO-1 (`optim.shard_over_data`): per parameter, the dimension its optimizer state and
