@@ -144,6 +144,21 @@ def test_bf16_train_step_of_each_layout_lowers_with_exact_triton_calls(layout, p
 
 
 @pytest.mark.parametrize("platform", PLATFORMS)
+@pytest.mark.parametrize("mesh", [{"data": 8}, {"data": 2, "tsp": 2, "expert": 2}, {"data": 2, "fsdp": 2, "tensor": 2}],
+                         ids=str)
+def test_the_data_replicas_micro_batch_loop_lowers_with_exact_triton_calls(mesh, platform):
+    # Two micro-batches: the loop runs in parallel/replicas.py's shard_map manual over data, the
+    # kernels and the layer schedules nested inside it (traced once, whatever the micro-batches).
+    _skip_unless_lowerable(platform)
+    overrides = ["--config.model.num_hidden_layers=1", "--config.model.compute_dtype=bfloat16",
+                 "--config.train.remat=none", "--config.train.grad_accum_steps=2", "--config.train.global_batch_size=16",
+                 *(f"--config.mesh.{axis}={size}" for axis, size in mesh.items())]
+    program, calls = lower_step("experiments/layouts/base.py", overrides, platform)
+    assert program.step_cfg.reduction is not None
+    assert dict(calls) == expected_calls(program, mesh)
+
+
+@pytest.mark.parametrize("platform", PLATFORMS)
 def test_the_default_gpu_configuration_lowers_end_to_end(platform):
     """ZAYA1-base phase 1 as shipped (bf16, FSDP over a node, full remat, `auto` kernels), two layers deep."""
     _skip_unless_lowerable(platform)
