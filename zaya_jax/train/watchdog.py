@@ -76,15 +76,13 @@ class Watchdog:
         return min(1.0, min(limits) / 20) if limits else 1.0
 
     def _fire(self, idle: float, limit: float, what: str) -> None:
+        print(f"zaya train: process {self.process} made no progress for {idle:.0f}s in {what} (limit {limit:g}s: "
+              f"fault.hang_timeout_sec / fault.io_timeout_sec); every thread's stack follows; exiting with status "
+              f"{exit_codes.HUNG} so the supervisor restarts the job", file=sys.stderr, flush=True)
+        print(stacks(), file=sys.stderr, flush=True)
         try:
-            # The record first: its time is the firing's, however long the stacks take to print.
             self.on_hang(idle, what, limit)
         finally:
-            print(f"zaya train: process {self.process} made no progress for {idle:.0f}s in {what} (limit "
-                  f"{limit:g}s: fault.hang_timeout_sec / fault.io_timeout_sec); every thread's stack follows; "
-                  f"exiting with status {exit_codes.HUNG} so the supervisor restarts the job", file=sys.stderr,
-                  flush=True)
-            print(stacks(), file=sys.stderr, flush=True)
             self._exit(exit_codes.HUNG)
 
 
