@@ -5,6 +5,7 @@ drills (`zaya_jax/drills.py`): a SIGKILL a rank sends itself is `kill -9` of tha
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -81,7 +82,7 @@ def test_a_killed_rank_and_a_hung_rank_are_restarted_and_the_run_ends_bit_exact(
     within the timeout; the job restarts from step 6. The losses and final parameters equal an
     uninterrupted run's bit for bit, and the goodput ledger accounts for the launcher's wall time."""
     cache = f"--config.train.compile_cache={tmp_path / 'cache'}"
-    common = [cache, "--config.checkpoint.every_steps=3", "--config.fault.hang_timeout_sec=6"]
+    common = [cache, "--config.checkpoint.every_steps=3", "--config.fault.hang_timeout_sec=20"]  # not less: a loaded CI host
     whole, _ = _launch(tmp_path / "whole", 8, *common)
     assert whole.returncode == 0, whole.stderr[-3000:]
 
@@ -92,8 +93,10 @@ def test_a_killed_rank_and_a_hung_rank_are_restarted_and_the_run_ends_bit_exact(
     err = faulty.stderr
     assert "restart 1/3 in 0.5s from the newest checkpoint: process 1 was killed by SIGKILL (137)" in err
     assert "hung (no step progress; stacks dumped)" in err and "restart 2/3 in 1s" in err
-    assert "made no progress for 6s in a train step" in err  # the hung rank, within its 6 s
-    assert "Thread MainThread (most recent call last)" in err and "in _act" in err  # where: the drill's sleep
+    assert re.search(r"made no progress for 2[01]s in a train step", err)  # within its 20 s (1 s polls)
+    # Where: the train loop (the hung rank's drill sleep, or its peer waiting in the step; whichever
+    # watchdog fires first ends the attempt, so either rank's stacks may be the ones printed).
+    assert "Thread MainThread (most recent call last)" in err and "in _steps" in err
 
     assert _losses(tmp_path / "faulty") == _losses(tmp_path / "whole")
     want, got = _arrays(tmp_path / "whole" / "model"), _arrays(tmp_path / "faulty" / "model")

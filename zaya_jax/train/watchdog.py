@@ -76,10 +76,11 @@ class Watchdog:
         return min(1.0, min(limits) / 20) if limits else 1.0
 
     def _fire(self, idle: float, limit: float, what: str) -> None:
+        # One write: the supervisor may kill this process as soon as another one exits, and the
+        # line must not go out without the stacks it announces.
         print(f"zaya train: process {self.process} made no progress for {idle:.0f}s in {what} (limit {limit:g}s: "
               f"fault.hang_timeout_sec / fault.io_timeout_sec); every thread's stack follows; exiting with status "
-              f"{exit_codes.HUNG} so the supervisor restarts the job", file=sys.stderr, flush=True)
-        print(stacks(), file=sys.stderr, flush=True)
+              f"{exit_codes.HUNG} so the supervisor restarts the job\n{stacks()}", file=sys.stderr, flush=True)
         try:
             self.on_hang(idle, what, limit)
         finally:
