@@ -39,7 +39,7 @@ def spread_matrices(mesh: Mesh, pass_elements: int = PASS_ELEMENTS):
 
     def run(fn: Callable[[jax.Array], jax.Array], batch: jax.Array) -> jax.Array:
         count, rows, cols = batch.shape
-        mine = -(-count // devices)  # matrices per device; the last devices' extra are zeros
+        mine = share(count, sizes)  # matrices per device; the last devices' extra are zeros
         if mine * devices != count:  # (Newton–Schulz of zeros is zeros, and they are cut off)
             batch = jnp.pad(batch, ((0, mine * devices - count), (0, 0), (0, 0)))
         batch = place(batch, 0)

@@ -18,6 +18,7 @@ import jax
 from jax.sharding import PartitionSpec as P
 
 from zaya_jax.parallel.batch_map import axes_in_context, axis_size, rows_held_whole
+from zaya_jax.parallel.rules import split_over_data
 
 AXIS = "data"
 
@@ -38,7 +39,7 @@ def reduce_once(accumulate: Callable, scatter: dict[str, int | None]) -> Callabl
             grads = {k: _reduce(g, scatter.get(k)) for k, g in grads.items()}
             return (grads, *jax.lax.psum((loss, tokens, counts), AXIS))
 
-        grad_specs = {k: _split(scatter.get(k), params[k].ndim) for k in params}
+        grad_specs = {k: split_over_data(P(), scatter.get(k), params[k].ndim) for k in params}
         # check_vma=False: the gradients are taken inside, of the replica's own rows; with vma
         # checks JAX would sum them over `data` at every use of a weight (once per micro-batch).
         mapped = jax.shard_map(local, in_specs=(P(), P(), P(None, AXIS)), out_specs=(grad_specs, P(), P(), P()),
@@ -58,6 +59,3 @@ def _reduce(g, dim: int | None):
         return jax.lax.psum(g, AXIS)
     return jax.lax.psum_scatter(g, AXIS, scatter_dimension=dim, tiled=True)
 
-
-def _split(dim: int | None, ndim: int) -> P:
-    return P() if dim is None else P(*[AXIS if d == dim else None for d in range(ndim)])

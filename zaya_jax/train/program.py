@@ -29,8 +29,8 @@ from zaya_jax.experiment import Experiment, load_experiment
 from zaya_jax.kernels.registry import device_target, resolve, targeting
 from zaya_jax.parallel.mesh import mesh_for
 from zaya_jax.parallel.mesh_layout import MESH
-from zaya_jax.parallel.replicas import reduce_once
 from zaya_jax.parallel.muon_spread import spread_matrices
+from zaya_jax.parallel.replicas import reduce_once
 from zaya_jax.parallel.rules import data_split_dim, named_sharding, split_over_data
 from zaya_jax.train import bad_steps, balancing
 from zaya_jax.train.model_state import ModelDef, init_arrays, model_def
