@@ -50,7 +50,7 @@ def test_unrolled_layers_give_the_scanned_values_and_gradients(remat):
 
     run = jax.jit(jax.value_and_grad(loss, has_aux=True), static_argnums=(1, 2))
     (value, choices), grads = run(params, True, 1)
-    assert choices.shape == (CFG.num_hidden_layers, IDS.size)
+    assert choices.shape == (CFG.num_hidden_layers, *IDS.shape)
     for scan, unroll in ((False, 1), (True, 2)):  # unrolled; two blocks per iteration of three
         (value_u, choices_u), grads_u = run(params, scan, unroll)
         np.testing.assert_allclose(value, value_u, rtol=1e-6)

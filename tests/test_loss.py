@@ -1,5 +1,7 @@
 """Chunked cross-entropy: equals the full-logits reference in value and gradient, and never builds [T, V]."""
 
+import math
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -112,3 +114,36 @@ def test_compiled_forward_and_backward_never_hold_full_logits():
 
     assert full in compiled(reference_cross_entropy)  # the check can see the buffer when it exists
     assert full not in compiled(chunked_cross_entropy, chunk_size=1024)
+
+
+def test_a_batch_of_several_dimensions_gives_the_flat_batchs_loss_and_gradients():
+    hidden, embedding, targets, cot = inputs(24, 1000, 32, seed=5)
+    flat, flat_grads = loss_and_grads(chunked_cross_entropy, cot, hidden, embedding, targets, chunk_size=256)
+    shaped, shaped_grads = loss_and_grads(chunked_cross_entropy, cot.reshape(4, 6), hidden.reshape(4, 6, 32),
+                                          embedding, targets.reshape(4, 6), chunk_size=256)
+    assert shaped.shape == (4, 6)
+    np.testing.assert_array_equal(shaped.reshape(-1), flat)
+    np.testing.assert_array_equal(shaped_grads[0].reshape(24, 32), flat_grads[0])
+    assert_close(shaped_grads[1], flat_grads[1])  # the table's gradient sums the tokens in another order
+
+
+@pytest.mark.parametrize("axis", ["tsp", "sequence"])
+def test_a_sequence_split_train_step_computes_the_lm_head_on_its_own_tokens_only(axis):
+    """The loss keeps [B, S]: flattening a sequence-split batch to [B·S, H] would gather every token
+    to every device and compute the whole micro-batch's logits on each (found in the validation sweep)."""
+    import os
+    import re
+
+    from zaya_jax.experiment import load_experiment
+    from zaya_jax.train.program import build_program
+
+    tiny = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "experiments", "tiny_cpu.py")
+    overrides = ["--config.train.seq_len=64", "--config.train.global_batch_size=8", "--config.model.num_hidden_layers=1",
+                 "--config.mesh.data=1", f"--config.mesh.{axis}=8"]
+    program = build_program(load_experiment(tiny, overrides))
+    hlo = program.compile_train_step()[0].as_text()
+    vocab = program.modeldef.cfg.vocab_size
+    logits = [math.prod(int(d) for d in dims.split(",")[:-1]) for dims in re.findall(r"f32\[([\d,]+)\]", hlo)
+              if dims.split(",")[-1] == str(vocab) and "," in dims]
+    tokens = 8 * 64
+    assert logits and max(logits) == tokens // 8, sorted(set(logits))

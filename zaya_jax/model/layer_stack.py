@@ -49,7 +49,7 @@ def init_stack(make_block: Callable[[nnx.Rngs], nnx.Module], key: jax.Array, lay
 def run_blocks(blocks: nnx.Module, h: jax.Array, first_router_state: jax.Array, step: Callable, *,
                remat: str, scan: bool = True, unroll: int = 1):
     """Thread (h, router state) through every block of the stack: `step(block, h, router_state)`
-    → (h, router_state, routing). Returns h and the per-layer expert choices [L, tokens].
+    → (h, router_state, routing). Returns h and the per-layer expert choices [L, B, S].
 
     `unroll` blocks run per scan iteration: the block is still traced once, XLA compiles that
     many copies and may fuse across them (worth it for shallow models, where a loop iteration's
@@ -59,7 +59,7 @@ def run_blocks(blocks: nnx.Module, h: jax.Array, first_router_state: jax.Array, 
     def body(carry, layer):
         h, router_state = carry
         h, router_state, routing = step(nnx.merge(graphdef, layer), h, router_state)
-        return (h, router_state), routing.expert.reshape(-1)
+        return (h, router_state), routing.expert
 
     body = checkpointed(body, remat, in_scan=scan and unroll == 1)  # unrolled copies need the CSE barrier
     carry = (h, first_router_state)

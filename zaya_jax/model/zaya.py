@@ -56,7 +56,7 @@ class Zaya(nnx.Module):
 
     def hidden_states(self, input_ids: jax.Array, segment_ids=None, positions=None, remat: str = "none",
                       layout: Layout = LOCAL, scan: bool = True, unroll: int = 1):
-        """Final-normed fp32 hidden states [B, S, H] and per-layer expert choices [L, B·S].
+        """Final-normed fp32 hidden states [B, S, H] and per-layer expert choices [L, B, S].
 
         `remat` names a policy of `model/remat.py` applied to each block (training memory);
         `layout` runs the layers over devices (`model/layout.py`; default: here, one device);

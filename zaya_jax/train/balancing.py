@@ -17,9 +17,10 @@ import optax
 
 
 def expert_counts(choices: jax.Array, valid: jax.Array, num_experts: int) -> jax.Array:
-    """choices int32[L, T] in [0, E] (E = skip), valid bool[T] → token counts fp32[L, E+1]."""
+    """choices int32[L, ...] in [0, E] (E = skip), valid bool[...] (e.g. [B, S]) → token counts
+    fp32[L, E+1]."""
     onehot = jax.nn.one_hot(choices, num_experts + 1, dtype=jnp.float32)
-    return jnp.einsum("lte,t->le", onehot, valid.astype(jnp.float32))
+    return jnp.einsum("l...e,...->le", onehot, valid.astype(jnp.float32))
 
 
 def load_fractions(counts: jax.Array) -> jax.Array:

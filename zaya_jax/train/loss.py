@@ -18,18 +18,20 @@ import jax.numpy as jnp
 
 
 def reference_cross_entropy(hidden: jax.Array, embedding: jax.Array, targets: jax.Array) -> jax.Array:
-    """Full-logits per-token loss fp32[T]; the ground truth for `chunked_cross_entropy`."""
-    logits = jnp.dot(hidden.astype(jnp.float32), embedding.astype(jnp.float32).T, preferred_element_type=jnp.float32)
-    picked = jnp.take_along_axis(logits, targets.astype(jnp.int32)[:, None], axis=1)[:, 0]
+    """Full-logits per-token loss fp32[...]; the ground truth for `chunked_cross_entropy`."""
+    logits = jnp.einsum("...h,vh->...v", hidden.astype(jnp.float32), embedding.astype(jnp.float32),
+                        preferred_element_type=jnp.float32)
+    picked = jnp.take_along_axis(logits, targets.astype(jnp.int32)[..., None], axis=-1)[..., 0]
     return jax.nn.logsumexp(logits, axis=-1) - picked
 
 
 def chunked_cross_entropy(hidden: jax.Array, embedding: jax.Array, targets: jax.Array, *,
                           chunk_size: int = 16384) -> jax.Array:
-    """Per-token loss fp32[T] = logsumexp(hidden @ embeddingᵀ) - logit[target], computed in fp32.
+    """Per-token loss fp32[...] = logsumexp(hidden @ embeddingᵀ) - logit[target], computed in fp32.
 
-    hidden: float[T, H]; embedding: float[V, H], the tied table; targets: int[T] in [0, V).
-    The `[T, V]` logits never exist at once: at most `[T, chunk_size]` per step, forward and
+    hidden: float[..., H] (e.g. [B, S, H]); embedding: float[V, H], the tied table; targets:
+    int[...] in [0, V), the same leading shape as hidden.
+    The `[..., V]` logits never exist at once: at most `[..., chunk_size]` per step, forward and
     backward. Gradients flow to `hidden` and `embedding` in their own dtypes; none to targets.
     """
     if chunk_size <= 0:
@@ -51,8 +53,8 @@ def _chunked_table(embedding: jax.Array, chunk: int) -> jax.Array:
 
 
 def _chunk_logits(h: jax.Array, table_chunk: jax.Array, offset: jax.Array, vocab: int):
-    """fp32 logits [T, chunk] of one chunk and the mask of its real (non-padding) columns."""
-    logits = jnp.dot(h, table_chunk.astype(jnp.float32).T, preferred_element_type=jnp.float32)
+    """fp32 logits [..., chunk] of one chunk and the mask of its real (non-padding) columns."""
+    logits = jnp.einsum("...h,ch->...c", h, table_chunk.astype(jnp.float32), preferred_element_type=jnp.float32)
     valid = offset + jnp.arange(table_chunk.shape[0]) < vocab
     return logits, valid
 
@@ -67,25 +69,24 @@ def _forward(chunk, hidden, embedding, targets):
     vocab = embedding.shape[0]
     h = hidden.astype(jnp.float32)
     chunks = _chunked_table(embedding, chunk)
-    num_tokens = h.shape[0]
+    tokens = h.shape[:-1]
 
     def step(carry, xs):
         run_max, run_sum, target_logit = carry
         table_chunk, offset = xs
         logits, valid = _chunk_logits(h, table_chunk, offset, vocab)
-        logits = jnp.where(valid[None, :], logits, -jnp.inf)
+        logits = jnp.where(valid, logits, -jnp.inf)
         # Every chunk holds at least one real column, so new_max is finite and the rescale of
         # the previous sum (exp(-inf) = 0 on the first chunk) never produces NaN.
         new_max = jnp.maximum(run_max, logits.max(axis=-1))
-        run_sum = run_sum * jnp.exp(run_max - new_max) + jnp.exp(logits - new_max[:, None]).sum(axis=-1)
+        run_sum = run_sum * jnp.exp(run_max - new_max) + jnp.exp(logits - new_max[..., None]).sum(axis=-1)
         local = targets - offset
         here = (local >= 0) & (local < chunk)
-        picked = jnp.take_along_axis(logits, jnp.clip(local, 0, chunk - 1)[:, None], axis=1)[:, 0]
+        picked = jnp.take_along_axis(logits, jnp.clip(local, 0, chunk - 1)[..., None], axis=-1)[..., 0]
         target_logit = target_logit + jnp.where(here, picked, 0.0)
         return (new_max, run_sum, target_logit), None
 
-    init = (jnp.full((num_tokens,), -jnp.inf, jnp.float32), jnp.zeros((num_tokens,), jnp.float32),
-            jnp.zeros((num_tokens,), jnp.float32))
+    init = (jnp.full(tokens, -jnp.inf, jnp.float32), jnp.zeros(tokens, jnp.float32), jnp.zeros(tokens, jnp.float32))
     offsets = jnp.arange(chunks.shape[0], dtype=jnp.int32) * chunk
     (run_max, run_sum, target_logit), _ = jax.lax.scan(step, init, (chunks, offsets))
     lse = run_max + jnp.log(run_sum)
@@ -108,12 +109,13 @@ def _bwd(chunk, residuals, g):
     def step(d_hidden, xs):
         table_chunk, offset = xs
         logits, valid = _chunk_logits(h, table_chunk, offset, vocab)
-        probs = jnp.where(valid[None, :], jnp.exp(logits - lse[:, None]), 0.0)
-        onehot = (offset + jnp.arange(chunk))[None, :] == targets[:, None]
-        dlogits = (probs - onehot.astype(jnp.float32)) * g[:, None]
-        d_hidden = d_hidden + jnp.dot(dlogits, table_chunk.astype(jnp.float32), preferred_element_type=jnp.float32)
+        probs = jnp.where(valid, jnp.exp(logits - lse[..., None]), 0.0)
+        onehot = offset + jnp.arange(chunk) == targets[..., None]
+        dlogits = (probs - onehot.astype(jnp.float32)) * g[..., None]
+        d_hidden = d_hidden + jnp.einsum("...c,ch->...h", dlogits, table_chunk.astype(jnp.float32),
+                                         preferred_element_type=jnp.float32)
         # Cast per chunk so the stacked table gradient is built in the table's own dtype.
-        d_chunk = jnp.dot(dlogits.T, h, preferred_element_type=jnp.float32).astype(embedding.dtype)
+        d_chunk = jnp.einsum("...c,...h->ch", dlogits, h, preferred_element_type=jnp.float32).astype(embedding.dtype)
         return d_hidden, d_chunk
 
     offsets = jnp.arange(chunks.shape[0], dtype=jnp.int32) * chunk

@@ -60,11 +60,10 @@ def batch_sums(modeldef: ModelDef, params, biases, batch, cfg: StepConfig):
     hidden, choices = model.hidden_states(batch["inputs"], batch["segment_ids"], batch["positions"],
                                           remat=cfg.remat, layout=cfg.layout, scan=cfg.scan_layers,
                                           unroll=cfg.scan_unroll)
-    tokens = hidden.shape[0] * hidden.shape[1]
-    per_token = chunked_cross_entropy(hidden.reshape(tokens, -1), params["embedding"],
-                                      batch["targets"].reshape(tokens), chunk_size=cfg.vocab_chunk)
-    mask = batch["loss_mask"].reshape(tokens).astype(jnp.float32)
-    valid = batch["segment_ids"].reshape(tokens) > 0
+    # [B, S] kept apart: flattening a sequence-split batch would gather it (train/loss.py).
+    per_token = chunked_cross_entropy(hidden, params["embedding"], batch["targets"], chunk_size=cfg.vocab_chunk)
+    mask = batch["loss_mask"].astype(jnp.float32)
+    valid = batch["segment_ids"] > 0
     counts = balancing.expert_counts(choices, valid, modeldef.cfg.num_experts)
     return jnp.sum(per_token * mask), (jnp.sum(mask), counts)
 
