@@ -99,6 +99,27 @@ def split_over_data(spec: PartitionSpec, dim: int | None, ndim: int) -> Partitio
     return PartitionSpec(*entries)
 
 
+def merged_spec(spec: PartitionSpec, shape, merged_shape) -> PartitionSpec:
+    """The sharding an array of `shape` (sharded as `spec`) keeps when reshaped to `merged_shape`, whose
+    dimensions each merge consecutive ones of `shape`: a merged dimension keeps the mesh axes of its
+    most-major dimension longer than 1 when only that one is sharded (the tiles stay contiguous); one
+    that would interleave them is left whole."""
+    entries = list(spec) + [None] * (len(shape) - len(spec))
+    out, dim = [], 0
+    for size in merged_shape:
+        group, elements = [], 1
+        while dim < len(shape) and elements * shape[dim] <= size and (elements < size or shape[dim] == 1):
+            elements *= shape[dim]
+            group.append(dim)
+            dim += 1
+        if elements != size:
+            raise ValueError(f"{tuple(merged_shape)} does not merge consecutive dimensions of {tuple(shape)}")
+        long = [d for d in group if shape[d] > 1]
+        sharded = [d for d in group if entries[d]]
+        out.append(entries[long[0]] if long and sharded == [long[0]] else None)
+    return PartitionSpec(*out)
+
+
 def named_sharding(logical_axes, mesh: Mesh, shape=None) -> NamedSharding:
     return NamedSharding(mesh, partition_spec(logical_axes, mesh, shape))
 

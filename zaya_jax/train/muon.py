@@ -49,15 +49,16 @@ def newton_schulz(g: jax.Array, steps: int = 5, eps: float = 1e-7) -> jax.Array:
     return x if wide else jnp.swapaxes(x, -1, -2)
 
 
-def orthogonal_update(m: jax.Array, view: MatrixView, steps: int, rms: float, spread: Callable | None = None) -> jax.Array:
-    """The Muon direction of `m`. `spread(fn, batch)` runs the Newton–Schulz iterations over the
-    [matrices, fan_in, fan_out] batch (the program's `parallel.muon_spread`: whole matrices spread
-    over its devices, each orthogonalising its share a few at a time); None: all here at once."""
+def orthogonal_update(m: jax.Array, view: MatrixView, steps: int, rms: float, spread: Callable | None = None,
+                      key: str | None = None) -> jax.Array:
+    """The Muon direction of `m` (the weight `key`). `spread(fn, mats, key)` runs the Newton–Schulz
+    iterations over the [*batch, fan_in, fan_out] matrices (the program's `parallel.muon_spread`:
+    whole matrices spread over its devices, each orthogonalising its share a few at a time); None:
+    all here at once."""
     mats = view.to_matrices(m.astype(jnp.float32))
     scale = rms * math.sqrt(max(mats.shape[-2], mats.shape[-1]))
-    batch = mats.reshape(-1, *mats.shape[-2:])
     orthogonalise = functools.partial(newton_schulz, steps=steps)
-    out = orthogonalise(batch) if spread is None else spread(orthogonalise, batch)
+    out = orthogonalise(mats) if spread is None else spread(orthogonalise, mats, key)
     return (out * scale).reshape(m.shape).astype(m.dtype)
 
 
@@ -80,7 +81,7 @@ def scale_by_muon(views: dict[str, MatrixView], momentum: float = 0.95, nesterov
         direction = (jax.tree.map(lambda m, g: momentum * m + (1 - momentum) * g, new_m, updates)
                      if nesterov else new_m)
         out = jax.tree_util.tree_map_with_path(
-            lambda path, d: orthogonal_update(d, views[path[-1].key], ns_steps, rms, spread), direction)
+            lambda path, d: orthogonal_update(d, views[path[-1].key], ns_steps, rms, spread, path[-1].key), direction)
         return out, MuonState(new_m)
 
     return optax.GradientTransformation(init, update)

@@ -50,8 +50,10 @@ class Program:
         c = self.exp.config
         self.target = self.target or self.devices_target
         self.data_split = self._data_split()
+        # Muon's matrices start and end where their optimizer state lives.
+        held = {k: (s.spec, self.modeldef.param_shapes[k]) for k, s in self.optimizer_shardings().items()}
         self.tx, self.schedule = build_optimizer(c.optim, c.train.steps, self.modeldef.param_axes,
-                                                 spread=spread_matrices(self.mesh))
+                                                 spread=spread_matrices(self.mesh, held))
         self.balance_tx = balancing.balancer(c.optim.balance_lr, c.optim.balance_b1, c.optim.balance_b2)
         # The mesh's schedules run the layers; they look at which axes are split when traced.
         self.step_cfg = StepConfig(remat=c.train.remat, scan_layers=c.train.scan_layers,
