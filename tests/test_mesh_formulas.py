@@ -151,26 +151,54 @@ def test_step_time_and_mfu_on_one_device_are_compute_and_optimizer():
     assert t.mfu == pytest.approx(t.model_flops / (t.step_time_s * 1e12))
 
 
+def _gradient_transfers(r, sizes):
+    return [tr for tr in step_time.transfers(r, sizes) if not tr.what.startswith("Muon")]
+
+
 def test_gradients_reduce_over_the_axes_that_do_not_shard_them():
     r = run(batch=16, accum=4)
     grads = inventory.state_bytes(TINY, mesh()).grads
     # Over data once per step (parallel/replicas.py), whatever the micro-batch count: ZeRO-1
     # reduce-scatters every gradient onto its optimizer shard and gathers the updated weights.
     # (A weight with no dimension that 8 divides keeps its state whole: all-reduced.)
-    zero1 = {tr.op: tr for tr in step_time.transfers(r, mesh(data=8))}
+    zero1 = {tr.op: tr for tr in _gradient_transfers(r, mesh(data=8))}
     assert set(zero1) == {"reduce_scatter", "all_gather", "all_reduce"} and {tr.axis for tr in zero1.values()} == {"data"}
     assert all(tr.calls == 1 and not tr.overlappable for tr in zero1.values())
     assert zero1["reduce_scatter"].nbytes + zero1["all_reduce"].nbytes == pytest.approx(grads)
     assert zero1["all_gather"].nbytes == zero1["reduce_scatter"].nbytes > 0.99 * grads
-    whole, = step_time.transfers(dataclasses.replace(r, zero1=False), mesh(data=8))
+    whole, = _gradient_transfers(dataclasses.replace(r, zero1=False), mesh(data=8))
     assert (whole.axis, whole.op, whole.calls) == ("data", "all_reduce", 1) and whole.nbytes == pytest.approx(grads)
-    fsdp = step_time.transfers(r, mesh(fsdp=8))
+    fsdp = _gradient_transfers(r, mesh(fsdp=8))
     ops = {(tr.axis, tr.op) for tr in fsdp}
     assert ("fsdp", "all_gather") in ops and ("fsdp", "reduce_scatter") in ops
     small = [tr for tr in fsdp if tr.op == "all_reduce"]  # router weights have no hidden dim to shard
     assert small and all(tr.axis == "fsdp" for tr in small)
-    ep = {(tr.axis, tr.op) for tr in step_time.transfers(r, mesh(expert=4, data=2))}
+    ep = {(tr.axis, tr.op) for tr in _gradient_transfers(r, mesh(expert=4, data=2))}
     assert ("expert", "all_gather") in ep and ("expert", "reduce_scatter") in ep
+
+
+def test_muon_matrices_move_by_all_to_all_over_the_axes_inside_them_and_nothing_between():
+    r = run(batch=16, accum=4)
+    muon = [g for g in inventory.param_groups(TINY) if g.optimizer == "muon"]
+    moves = lambda sizes: {(tr.axis, tr.op): tr for tr in step_time.transfers(r, sizes) if tr.what.startswith("Muon")}
+    # tsp 8: a weight split inside its matrices (hidden or width) goes there and back as its shard;
+    # one the rules leave whole (the router's) is replicated: each device takes its part, and the
+    # results are gathered.
+    sizes = mesh(tsp=8)
+    tsp = moves(sizes)
+    split = {g for g in muon if "tsp" in inventory.sharded_axes(g, sizes)}
+    assert split and split != set(muon)
+    assert set(tsp) == {("tsp", "all_to_all"), ("tsp", "all_gather")} and tsp["tsp", "all_to_all"].calls == 2
+    assert tsp["tsp", "all_to_all"].nbytes == pytest.approx(sum(g.count * inventory.local_bytes(g, sizes) for g in split))
+    assert tsp["tsp", "all_gather"].nbytes == pytest.approx(
+        sum(g.count * inventory.local_bytes(g, sizes) for g in set(muon) - split))
+    # expert 4: the experts are split between whole matrices (nothing moves); the rest is replicated,
+    # so each device takes its part and the results are gathered.
+    sizes = mesh(expert=4)
+    ep = moves(sizes)
+    assert set(ep) == {("expert", "all_gather")}
+    assert ep["expert", "all_gather"].nbytes == pytest.approx(
+        sum(g.count * inventory.local_bytes(g, sizes) for g in muon if g.part != "experts"))
 
 
 def test_exposed_communication_overlaps_only_where_the_schedule_allows():
@@ -185,14 +213,17 @@ def test_exposed_communication_overlaps_only_where_the_schedule_allows():
     # One micro-batch: the reduction stays in the backward and hides; ZeRO-1's weight gather does not.
     one = step_time.predict(r, mesh(data=8), net)
     trs = step_time.transfers(r, mesh(data=8))
-    assert {(tr.op, tr.overlappable) for tr in trs} == {("all_reduce", True), ("all_gather", False)}
+    assert {(tr.op, tr.overlappable) for tr in _gradient_transfers(r, mesh(data=8))} == {("all_reduce", True),
+                                                                                       ("all_gather", False)}
     fixed, hideable = cost([tr for tr in trs if not tr.overlappable]), cost([tr for tr in trs if tr.overlappable])
     assert one.exposed_comm_s["data"] == pytest.approx(fixed + max(0.0, hideable - one.compute_s))
     hidden = step_time.predict(r, mesh(fsdp=8), net)  # FSDP's gathers and reductions overlap compute
     transfers = step_time.transfers(r, mesh(fsdp=8))
-    assert transfers and all(tr.overlappable for tr in transfers)
-    total = sum(tr.calls * net.time(tr.op, tr.nbytes, tr.span) for tr in transfers)
-    assert hidden.exposed_comm_s["fsdp"] == pytest.approx(max(0.0, total - hidden.compute_s))
+    assert all(tr.overlappable for tr in _gradient_transfers(r, mesh(fsdp=8)))
+    fixed = cost([tr for tr in transfers if not tr.overlappable])  # Muon's exchange, after the backward
+    assert fixed > 0 and all(tr.what.startswith("Muon") for tr in transfers if not tr.overlappable)
+    total = cost([tr for tr in transfers if tr.overlappable])
+    assert hidden.exposed_comm_s["fsdp"] == pytest.approx(fixed + max(0.0, total - hidden.compute_s))
 
 
 def test_ranking_puts_fitting_layouts_first_fastest_first():

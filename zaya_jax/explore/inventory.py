@@ -107,16 +107,26 @@ def local_bytes(group: ParamGroup, sizes: dict[str, int], gathered: tuple[str, .
 
 
 @functools.lru_cache(maxsize=65536)
-def _data_split(group: ParamGroup, sizes: tuple[tuple[str, int], ...]) -> bool:
+def _data_split(group: ParamGroup, sizes: tuple[tuple[str, int], ...]) -> int | None:
     mesh = types.SimpleNamespace(shape=dict(sizes))
     shape, axes = stored(group)
-    return data_split_dim(partition_spec(axes, mesh, shape), shape, mesh) is not None
+    return data_split_dim(partition_spec(axes, mesh, shape), shape, mesh)
+
+
+def batch_split_axes(group: ParamGroup, sizes: dict[str, int], zero1: bool) -> frozenset[str]:
+    """The mesh axes that split a Muon weight's state between whole matrices (the experts' `expert`,
+    ZeRO-1's `data` on the layer axis) rather than inside them."""
+    axes = {"expert"} & sharded_axes(group, sizes) if group.part == "experts" else set()
+    dim = _data_split(group, tuple(sizes.items())) if optimizer_split(group, sizes, zero1) > 1 else None
+    if dim is not None and dim < int(is_stacked(group.path)) + group.view.batch_axes:
+        axes.add("data")
+    return frozenset(axes)
 
 
 def optimizer_split(group: ParamGroup, sizes: dict[str, int], zero1: bool) -> int:
     """How many more ways ZeRO-1 (`optim.shard_over_data`) splits the group's optimizer state:
     the data degree where the program finds a dimension for it (`rules.data_split_dim`), else 1."""
-    return sizes.get("data", 1) if zero1 and _data_split(group, tuple(sizes.items())) else 1
+    return sizes.get("data", 1) if zero1 and _data_split(group, tuple(sizes.items())) is not None else 1
 
 
 def ns_share(group: ParamGroup, sizes: dict[str, int]) -> int:

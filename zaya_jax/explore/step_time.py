@@ -12,8 +12,9 @@ scheduler / the ring's design), so together they cost only what exceeds the comp
 sequence, expert and TSP's attention collectives sit between dependent matmuls, and with several
 micro-batches the data axis's one reduction comes after the loop (ZeRO-1's weight gather after
 the update, always): those count in full.
-The optimizer adds Muon's Newton–Schulz matmuls (each device its share of whole matrices) and one pass over the
-state in HBM. MFU = model FLOPs (6N + attention, `train/flops.py`) / (step time × peak × devices).
+The optimizer adds Muon's Newton–Schulz matmuls (each device its share of whole matrices), the
+exchanges that bring the matrices there and back (after the backward: counted in full), and one
+pass over the state in HBM. MFU = model FLOPs (6N + attention, `train/flops.py`) / (step time × peak × devices).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from zaya_jax.explore.collectives import Network
 from zaya_jax.explore.placement import Span, spans
 from zaya_jax.explore.workload import Run, Share, share
 from zaya_jax.parallel.axes import BATCH_AXES, SEQUENCE_AXES
+from zaya_jax.parallel.rules import spread_axes
 from zaya_jax.train import flops
 
 F32 = 4
@@ -77,7 +79,7 @@ def transfers(run: Run, sizes: dict[str, int]) -> list[Transfer]:
     cfg, s, where = run.cfg, share(run, sizes), spans(sizes, run.gpus_per_node)
     a, layers, b = run.grad_accum, cfg.num_hidden_layers, run.compute_bytes
     passes = 3 if run.remat == "full" else 2  # forward (+ recomputed forward) and backward
-    out = _gradient_reductions(run, sizes, where)
+    out = _gradient_reductions(run, sizes, where) + _muon_exchange(run, sizes, where)
     block = inventory.block_groups(cfg)
     if sizes["fsdp"] > 1:
         gathered = sum(g.count * inventory.local_bytes(g, sizes, ("fsdp",))
@@ -105,6 +107,33 @@ def transfers(run: Run, sizes: dict[str, int]) -> list[Transfer]:
         rows = s.tokens * sizes["expert"] * cfg.hidden_size
         out += [Transfer("expert", "all_gather", rows * b, a * layers * passes, False, "tokens to every expert's owner", where["expert"]),
                 Transfer("expert", "reduce_scatter", rows * F32, a * layers * passes, False, "expert outputs back", where["expert"])]
+    return out
+
+
+def _muon_exchange(run: Run, sizes: dict[str, int], where: dict[str, Span]) -> list[Transfer]:
+    """Muon's matrices leave where their state lives for the spread and come back
+    (`parallel/muon_spread`): an all-to-all over each axis that splits inside the matrices, both
+    ways, and the result gathered over the axes the state is replicated on. Axes that split
+    between whole matrices move nothing."""
+    exchanged: dict[str, float] = {}
+    gathered: dict[tuple[str, ...], float] = {}
+    for g in inventory.param_groups(run.cfg):
+        if g.optimizer != "muon":
+            continue
+        local = g.count * inventory.local_bytes(g, sizes) / inventory.optimizer_split(g, sizes, run.zero1)
+        between = inventory.batch_split_axes(g, sizes, run.zero1)
+        inside = (inventory.sharded_axes(g, sizes) | ({"data"} if inventory.optimizer_split(g, sizes, run.zero1) > 1
+                                                      else set())) - between
+        for axis in inside:
+            exchanged[axis] = exchanged.get(axis, 0.0) + local
+        rest = tuple(a for a in spread_axes(sizes) if a not in inside and a not in between)
+        if rest:
+            gathered[rest] = gathered.get(rest, 0.0) + local
+    out = [Transfer(axis, "all_to_all", nbytes, 2, False, "Muon's matrices to the spread and back", where[axis])
+           for axis, nbytes in exchanged.items()]
+    for axes, nbytes in gathered.items():
+        span = Span(math.prod(where[x].intra for x in axes), math.prod(where[x].inter for x in axes))
+        out.append(Transfer("+".join(axes), "all_gather", nbytes, 1, False, "Muon's updates from the spread", span))
     return out
 
 
