@@ -4,7 +4,9 @@ Parameters, gradients and optimizer state come from `inventory` (exact sizes). A
 counted tensor by tensor for one CCA + MoE block (Korthikanti-style, `reference/mesh_explorer.md`
 §4.1, with ZAYA1's own widths), then scaled by the remat policy:
 
-* none: every block keeps all its activations for the backward;
+* none: every block keeps all its activations for the backward, the inputs of its matmuls
+  included: TSP's gathered attention buckets and the K/V gathered along the sequence (FSDP's
+  gathered weights XLA gathers again in the backward: not kept);
 * full: every block keeps its fp32 input and router state; one block at a time is recomputed;
 * dots: every block keeps its matmul outputs; the rest of one block is recomputed at a time.
 * moe: every block keeps its input and the MoE's sorted tokens and grouped-matmul outputs.
@@ -118,6 +120,17 @@ def loss_bytes(run: Run, tokens: float) -> float:
     return tokens * (run.cfg.hidden_size * F32 + 3 * chunk * F32 + 2 * F32)
 
 
+def gathered_per_layer(run: Run, sizes: dict[str, int], s: Share) -> float:
+    """What one block's forward gathers inside the layer schedules and a backward without remat
+    reads again: TSP's attention buckets (its experts' ring saves nothing, `parallel/tsp_experts.py`)
+    and the K/V gathered along the sequence."""
+    weights = sum(inventory.local_bytes(g, sizes, ("tsp",)) for g in inventory.block_groups(run.cfg)
+                  if g.part == "attention" and "tsp" in inventory.sharded_axes(g, sizes))
+    chunks = sizes["tsp"] * sizes["sequence"]
+    kv = 2 * s.kv_heads * run.cfg.head_dim * run.compute_bytes if chunks > 1 else 0.0
+    return weights + s.tokens * chunks * kv
+
+
 def schedule_bytes(run: Run, sizes: dict[str, int], s: Share) -> dict[str, float]:
     """The buffers each parallel schedule adds (fp32 weights are gathered as stored)."""
     cfg, block = run.cfg, inventory.block_groups(run.cfg)
@@ -153,6 +166,7 @@ def predict(run: Run, sizes: dict[str, int]) -> Memory:
     grads = state.grads * (2 if run.grad_accum > 1 else 1)  # the running sum and this micro-batch's
     parts = {
         "stored_activations": s.tokens * stored_per_token(run, s),
+        "stored_gathered": run.cfg.num_hidden_layers * gathered_per_layer(run, sizes, s) if run.remat == "none" else 0.0,
         "block_working_set": 2 * s.tokens * block_bytes_per_token(run, s),
         "loss": loss_bytes(run, s.tokens),
         **schedule_bytes(run, sizes, s),
