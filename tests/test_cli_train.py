@@ -62,6 +62,8 @@ def _tensorboard_tags(path):
     (["--config.train.stepz=3"], "unknown config key (did you mean train.steps?)", 1),
     (["--config.train.steps=three"], "train.steps takes an integer", 1),
     (["--config.optim.shard_over_data=maybe"], "optim.shard_over_data takes true/false, got 'maybe'", 1),
+    (["--config.train.profile_steps=5"], "train.profile_steps must be START:STOP with 1 <= START < STOP", 1),
+    (["--config.train.profile_steps=400:410"], "train.profile_steps=400:410 starts after the run's last step (300)", 1),
     (["--config.mesh.data=4"], "needs 4 devices but this run has 2", 2),
     (["--config.train.global_batch_size=6", "--config.mesh.data=4"], "does not split over the 4 data-parallel", 4),
     (["--config.data.source=/nonexistent/corpus.txt"], "/nonexistent/corpus.txt", 1),
@@ -73,7 +75,8 @@ def _tensorboard_tags(path):
     (["--config.train.compile_cache=/dev/null/cache"], "train.compile_cache: cannot create /dev/null/cache", 1),
     (["--config.mesh.tensor=4", "--config.mesh.data=2"],
      "model.num_key_value_heads (2) is not divisible by mesh.tensor (4): CCA mixes the query heads", 8),
-], ids=["unknown-key", "mistyped-override", "non-bool-zero1", "mesh-vs-devices", "batch-vs-data-axes", "missing-data", "missing-tokenizer",
+], ids=["unknown-key", "mistyped-override", "non-bool-zero1", "profile-window", "profile-after-the-end",
+        "mesh-vs-devices", "batch-vs-data-axes", "missing-data", "missing-tokenizer",
         "unknown-kernel", "cudnn-attention-cannot-train", "hipblaslt-without-rocm", "empty-compile-cache",
         "unwritable-compile-cache", "kv-heads-vs-tensor"])
 def test_bad_inputs_are_one_line_errors(tmp_path, args, words, devices):

@@ -53,7 +53,8 @@ def test_matrices_held_where_their_state_lives_give_the_plain_newton_schulz(mesh
     np.testing.assert_allclose(fn(weight), want, rtol=2e-5, atol=2e-6)
 
 
-def _optimizer_flops(layers, **mesh):
+def _compiled_update(layers, **mesh):
+    """The program of the tiny model on `mesh` and its optimizer update compiled with the state placed as in training."""
     overrides = ["--config.train.global_batch_size=8", "--config.train.seq_len=32", "--config.mesh.data=1",
                  f"--config.model.num_hidden_layers={layers}", *[f"--config.mesh.{a}={n}" for a, n in mesh.items()]]
     program = build_program(load_experiment(TINY, overrides), jax.devices()[:math.prod(mesh.values())])
@@ -64,7 +65,11 @@ def _optimizer_flops(layers, **mesh):
             return program.tx.update(grads, opt_state, params)
 
     step = jax.jit(update, in_shardings=(shardings.params, shardings.opt_state, shardings.params))
-    cost = step.lower(state.params, state.opt_state, state.params).compile().cost_analysis()
+    return program, step.lower(state.params, state.opt_state, state.params).compile()
+
+
+def _optimizer_flops(layers, **mesh):
+    cost = _compiled_update(layers, **mesh)[1].cost_analysis()
     return (cost[0] if isinstance(cost, list) else cost)["flops"]
 
 
@@ -76,21 +81,6 @@ def test_each_device_orthogonalises_its_share_of_the_matrices():
         assert _optimizer_flops(8, **mesh) / one == pytest.approx(1 / 8, rel=0.05), mesh
 
 
-def _update_hlo(layers, **mesh):
-    """The compiled optimizer update of the tiny model on `mesh`, with its state placed as in training."""
-    overrides = ["--config.train.global_batch_size=8", "--config.train.seq_len=32", "--config.mesh.data=1",
-                 f"--config.model.num_hidden_layers={layers}", *[f"--config.mesh.{a}={n}" for a, n in mesh.items()]]
-    program = build_program(load_experiment(TINY, overrides), jax.devices()[:math.prod(mesh.values())])
-    state, shardings = program.placed_abstract_state(), program.state_shardings
-
-    def update(params, opt_state, grads):
-        with jax.sharding.use_abstract_mesh(program.mesh.abstract_mesh):
-            return program.tx.update(grads, opt_state, params)
-
-    step = jax.jit(update, in_shardings=(shardings.params, shardings.opt_state, shardings.params))
-    return program, step.lower(state.params, state.opt_state, state.params).compile().as_text()
-
-
 @pytest.mark.parametrize("mesh, exchanged", [(dict(tsp=8), True), (dict(fsdp=8), True), (dict(fsdp=2, tsp=4), True),
                                              (dict(data=2, expert=4), False)],
                          ids=["tsp 8", "fsdp 8", "fsdp 2 x tsp 4", "data 2 x expert 4"])
@@ -99,7 +89,8 @@ def test_matrices_move_to_the_spread_by_exchange_never_by_gathering_a_whole_weig
     the devices) and comes back by all-to-all; split on L and E (ZeRO-1's data, expert) its
     matrices are already whole. No all-gather in the update rebuilds a whole expert weight (GSPMD
     did, unasked, before the matrices were pinned where their state lives)."""
-    program, hlo = _update_hlo(4, **mesh)
+    program, compiled = _compiled_update(4, **mesh)
+    hlo = compiled.as_text()
     whole = math.prod(program.modeldef.param_shapes["layers/moe/experts/gate"])
     gathered = [math.prod(int(d) for d in dims.split(",")) for dims in re.findall(r"= f32\[([\d,]+)\]\S* all-gather\(", hlo)]
     assert max(gathered, default=0) < whole, (max(gathered), whole)

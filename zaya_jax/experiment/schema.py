@@ -41,6 +41,7 @@ def _train() -> dict:
         hardware="auto",  # peak-FLOPs profile for MFU: auto | mi300x | mi325x | mi355x | h100 | h200 | cpu
         progress=True,  # console progress bar
         compile_cache="workdir",  # persistent XLA compilation cache: workdir (WORKDIR/compile_cache) | off | a directory
+        profile_steps="",  # START:STOP: a jax.profiler trace of steps START..STOP-1 in WORKDIR/profile ("" = off)
     )
 
 

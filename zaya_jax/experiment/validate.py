@@ -69,7 +69,34 @@ def _train(c, model: ModelConfig) -> str | None:
         _hardware(t.hardware),
         None if t.compile_cache.strip() else
         "train.compile_cache must be 'workdir', 'off' or a directory, got an empty string",
+        _profile_window(t),
     )
+
+
+def profile_window(text: str) -> tuple[int, int] | None:
+    """'START:STOP' → (START, STOP); '' → None. Raises ZayaError naming the fix."""
+    text = text.strip()
+    if not text:
+        return None
+    start, sep, stop = text.partition(":")
+    try:
+        window = int(start), int(stop)
+    except ValueError:
+        window = None
+    if not sep or window is None or not 1 <= window[0] < window[1]:
+        raise ZayaError(f"train.profile_steps must be START:STOP with 1 <= START < STOP (steps START to STOP-1 "
+                        f"are traced, e.g. 10:13), got {text!r}")
+    return window
+
+
+def _profile_window(t) -> str | None:
+    try:
+        window = profile_window(t.profile_steps)
+    except ZayaError as e:
+        return str(e)
+    if window and window[0] > t.steps:
+        return f"train.profile_steps={t.profile_steps} starts after the run's last step ({t.steps}); trace earlier steps"
+    return None
 
 
 def _hardware(name: str) -> str | None:

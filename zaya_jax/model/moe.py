@@ -46,10 +46,13 @@ class Experts(nnx.Module):
 def by_expert(x, expert, weight, num_experts: int, experts_fn):
     """Sort tokens by expert, `experts_fn(sorted x, group sizes)` → fp32 rows, unsort, scale by the
     router weight; [T, H] in x's dtype. Skip-class tokens sort past every group."""
-    order = jnp.argsort(expert, stable=True)
-    sizes = jnp.bincount(expert, length=num_experts + 1)[:num_experts].astype(jnp.int32)
-    out = experts_fn(checkpoint_name(x[order], "moe_dispatch"), sizes) * weight[order][:, None]
-    return jnp.zeros_like(out).at[order].set(out).astype(x.dtype)
+    with jax.named_scope("dispatch"):
+        order = jnp.argsort(expert, stable=True)
+        sizes = jnp.bincount(expert, length=num_experts + 1)[:num_experts].astype(jnp.int32)
+        rows = checkpoint_name(x[order], "moe_dispatch")
+    out = experts_fn(rows, sizes) * weight[order][:, None]
+    with jax.named_scope("combine"):
+        return jnp.zeros_like(out).at[order].set(out).astype(x.dtype)
 
 
 def grouped_swiglu(xs, sizes, gate, up, down, backend):
@@ -72,5 +75,7 @@ class MoE(nnx.Module):
     def __call__(self, x: jax.Array, prev_state: jax.Array | None,
                  layout: Layout = LOCAL) -> tuple[jax.Array, jax.Array, Routing]:
         """x: [B, S, H]; returns (output [B, S, H], router state [B, S, R] for EDA, routing [B, S])."""
-        routing, state = self.router(x, prev_state, layout)
-        return self.experts(x, routing, layout), state, routing
+        with jax.named_scope("router"):
+            routing, state = self.router(x, prev_state, layout)
+        with jax.named_scope("experts"):
+            return self.experts(x, routing, layout), state, routing

@@ -33,10 +33,14 @@ class Block(nnx.Module):
         self.mlp_merge = ResidualMerge(cfg.hidden_size, rngs=rngs)
 
     def __call__(self, h: jax.Array, router_state, seq: SequenceInfo, dtype, layout: Layout = LOCAL):
-        a = self.attn(self.attn_norm(h, dtype, layout), seq, layout)
-        r = self.attn_merge(a, h)
-        m, router_state, routing = self.moe(self.mlp_norm(r, dtype, layout), router_state, layout)
-        return self.mlp_merge(m, r), router_state, routing
+        # Named scopes: the profiler's trace and the HLO's op names read like the model.
+        with jax.named_scope("block"):
+            with jax.named_scope("attention"):
+                a = self.attn(self.attn_norm(h, dtype, layout), seq, layout)
+                r = self.attn_merge(a, h)
+            with jax.named_scope("moe"):
+                m, router_state, routing = self.moe(self.mlp_norm(r, dtype, layout), router_state, layout)
+                return self.mlp_merge(m, r), router_state, routing
 
 
 class Zaya(nnx.Module):

@@ -39,6 +39,7 @@ from zaya_jax.drills import parse as parse_drills
 from zaya_jax.data.tokenizer import load_tokenizer
 from zaya_jax.errors import ZayaError
 from zaya_jax.experiment import Experiment
+from zaya_jax.experiment.validate import profile_window
 from zaya_jax.kernels import xla_flags
 from zaya_jax.kernels.registry import describe as describe_kernel
 from zaya_jax.model import layer_stack
@@ -54,6 +55,7 @@ from zaya_jax.train.goodput import Ledger, table as goodput_table
 from zaya_jax.train.metrics_writer import MetricsWriter
 from zaya_jax.train.program import Program, build_program
 from zaya_jax.train.checkpoints import RunCheckpoints, check_compatible, run_meta
+from zaya_jax.train.profiler import ProfileWindow
 from zaya_jax.train.progress import Progress, StepTimer, device_profile
 from zaya_jax.train.stop_signals import StopSignals
 from zaya_jax.train.watchdog import Watchdog
@@ -255,12 +257,15 @@ class _Run:
                 MetricsWriter(self.workdir, enabled=self.primary) as writer, \
                 Progress(c.train.steps, enabled=c.train.progress and self.primary, initial=start) as bar:
             policy = BadStepPolicy(c.fault, self.events, bar.note)
+            profile = ProfileWindow(profile_window(c.train.profile_steps), self.workdir, self.events)
             done = start
             for step in range(start, c.train.steps):
                 self.watchdog.beat()
                 batch = first_batch if step == start else next(self.iterator)
                 done = step + 1
-                state, metrics = compiled(state, program.place_batch(drills.apply(done, batch)))
+                with profile.step(done):
+                    state, metrics = compiled(state, program.place_batch(drills.apply(done, batch)))
+                profile.after(done, metrics)
                 bar.advance()
                 action = policy.after_step(done, metrics)
                 if action == "rollback":  # before this step is logged or saved: its state is undone
@@ -280,6 +285,7 @@ class _Run:
                                   stop.name, 128 + getattr(signal, stop.name).value, done)
                     break
             policy.flush()
+            profile.close(done)
             # Waiting for the last save's background commit is checkpoint time in the ledger.
             with self.watchdog.allow(c.fault.io_timeout_sec, "finishing the checkpoint save"), \
                     self.events.span("checkpoint", step=done, commit_wait=True):

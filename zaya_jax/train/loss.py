@@ -64,6 +64,7 @@ def _chunked_ce(chunk: int, hidden: jax.Array, embedding: jax.Array, targets: ja
     return _forward(chunk, hidden, embedding, targets)[0]
 
 
+@jax.named_scope("loss")  # inside: a custom_vjp's rules do not see their caller's scope
 def _forward(chunk, hidden, embedding, targets):
     """Returns (loss, lse): one pass over the chunks with an online logsumexp."""
     vocab = embedding.shape[0]
@@ -98,6 +99,7 @@ def _fwd(chunk, hidden, embedding, targets):
     return loss, (hidden, embedding, targets, lse)
 
 
+@jax.named_scope("loss")
 def _bwd(chunk, residuals, g):
     """dloss/dlogits = g · (softmax - onehot(target)), rebuilt chunk by chunk from the saved lse."""
     hidden, embedding, targets, lse = residuals
