@@ -1,8 +1,9 @@
 """The profiler window: a `jax.profiler` trace of a few train steps, written under the workdir.
 
 `train.profile_steps=START:STOP` traces the steps numbered START to STOP - 1 (as `metrics.jsonl`
-numbers them, from 1); the trace lands in `WORKDIR/profile/plugins/profile/<run>/`, one
-`.xplane.pb` per process, which TensorBoard's profile plugin and Perfetto (via `xprof`) open. Each
+numbers them, from 1); the trace lands in `WORKDIR/profile/plugins/profile/<run>/` (under
+`WORKDIR/profile/process_<i>/` for each process of a multi-process job), an `.xplane.pb` and a
+`.trace.json.gz`, which TensorBoard's profile plugin and Perfetto (via `xprof`) open. Each
 step inside the window is a `StepTraceAnnotation`, so the viewers split the trace by step. The
 last traced step is waited for before the trace stops, so its device work is in it. Steps before
 the window (compilation, the first steps' warm-up) stay out of it.
@@ -27,6 +28,8 @@ class ProfileWindow:
     def __init__(self, window: tuple[int, int] | None, workdir: str, events=None):
         self.window, self.events = window, events
         self.directory = os.path.join(workdir, DIRECTORY)
+        if jax.process_count() > 1:  # the trace files are named by host: local processes would collide
+            self.directory = os.path.join(self.directory, f"process_{jax.process_index()}")
         self.active = False
 
     def inside(self, step: int) -> bool:
