@@ -26,8 +26,12 @@ def reference_cross_entropy(hidden: jax.Array, embedding: jax.Array, targets: ja
 
 
 def chunked_cross_entropy(hidden: jax.Array, embedding: jax.Array, targets: jax.Array, *,
-                          chunk_size: int = 16384) -> jax.Array:
-    """Per-token loss fp32[...] = logsumexp(hidden @ embeddingᵀ) - logit[target], computed in fp32.
+                          chunk_size: int = 16384, matmul_dtype=jnp.float32) -> jax.Array:
+    """Per-token loss fp32[...] = logsumexp(hidden @ embeddingᵀ) - logit[target].
+
+    The logits matmuls (forward, and both of the backward) take their inputs in `matmul_dtype`
+    and accumulate in fp32, as Megatron and MaxText run the head in bf16; the softmax, the loss
+    and every sum stay fp32. With the default fp32 nothing is rounded (HF parity).
 
     hidden: float[..., H] (e.g. [B, S, H]); embedding: float[V, H], the tied table; targets:
     int[...] in [0, V), the same leading shape as hidden.
@@ -37,13 +41,13 @@ def chunked_cross_entropy(hidden: jax.Array, embedding: jax.Array, targets: jax.
     if chunk_size <= 0:
         raise ValueError(f"chunk_size must be positive, got {chunk_size}")
     chunk = min(int(chunk_size), embedding.shape[0])
-    return _chunked_ce(chunk, hidden, embedding, targets.astype(jnp.int32))
+    return _chunked_ce(chunk, jnp.dtype(matmul_dtype), hidden, embedding, targets.astype(jnp.int32))
 
 
 def _chunked_table(embedding: jax.Array, chunk: int) -> jax.Array:
     """[V, H] → [n, chunk, H], zero rows appended so V need not divide by chunk.
 
-    Padding stays in the input dtype; each chunk is cast to fp32 inside the loop, so no fp32
+    Padding stays in the input dtype; each chunk is cast to the matmul dtype inside the loop, so no
     copy of the whole table is made.
     """
     vocab, width = embedding.shape
@@ -53,22 +57,23 @@ def _chunked_table(embedding: jax.Array, chunk: int) -> jax.Array:
 
 
 def _chunk_logits(h: jax.Array, table_chunk: jax.Array, offset: jax.Array, vocab: int):
-    """fp32 logits [..., chunk] of one chunk and the mask of its real (non-padding) columns."""
-    logits = jnp.einsum("...h,ch->...c", h, table_chunk.astype(jnp.float32), preferred_element_type=jnp.float32)
+    """fp32 logits [..., chunk] of one chunk (h and the chunk in h's dtype, fp32 accumulation) and
+    the mask of its real (non-padding) columns."""
+    logits = jnp.einsum("...h,ch->...c", h, table_chunk.astype(h.dtype), preferred_element_type=jnp.float32)
     valid = offset + jnp.arange(table_chunk.shape[0]) < vocab
     return logits, valid
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _chunked_ce(chunk: int, hidden: jax.Array, embedding: jax.Array, targets: jax.Array) -> jax.Array:
-    return _forward(chunk, hidden, embedding, targets)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def _chunked_ce(chunk: int, dtype, hidden: jax.Array, embedding: jax.Array, targets: jax.Array) -> jax.Array:
+    return _forward(chunk, dtype, hidden, embedding, targets)[0]
 
 
 @jax.named_scope("loss")  # inside: a custom_vjp's rules do not see their caller's scope
-def _forward(chunk, hidden, embedding, targets):
+def _forward(chunk, dtype, hidden, embedding, targets):
     """Returns (loss, lse): one pass over the chunks with an online logsumexp."""
     vocab = embedding.shape[0]
-    h = hidden.astype(jnp.float32)
+    h = hidden.astype(dtype)
     chunks = _chunked_table(embedding, chunk)
     tokens = h.shape[:-1]
 
@@ -94,17 +99,17 @@ def _forward(chunk, hidden, embedding, targets):
     return lse - target_logit, lse
 
 
-def _fwd(chunk, hidden, embedding, targets):
-    loss, lse = _forward(chunk, hidden, embedding, targets)
+def _fwd(chunk, dtype, hidden, embedding, targets):
+    loss, lse = _forward(chunk, dtype, hidden, embedding, targets)
     return loss, (hidden, embedding, targets, lse)
 
 
 @jax.named_scope("loss")
-def _bwd(chunk, residuals, g):
+def _bwd(chunk, dtype, residuals, g):
     """dloss/dlogits = g · (softmax - onehot(target)), rebuilt chunk by chunk from the saved lse."""
     hidden, embedding, targets, lse = residuals
     vocab = embedding.shape[0]
-    h = hidden.astype(jnp.float32)
+    h = hidden.astype(dtype)
     g = g.astype(jnp.float32)
     chunks = _chunked_table(embedding, chunk)
 
@@ -113,15 +118,15 @@ def _bwd(chunk, residuals, g):
         logits, valid = _chunk_logits(h, table_chunk, offset, vocab)
         probs = jnp.where(valid, jnp.exp(logits - lse[..., None]), 0.0)
         onehot = offset + jnp.arange(chunk) == targets[..., None]
-        dlogits = (probs - onehot.astype(jnp.float32)) * g[..., None]
-        d_hidden = d_hidden + jnp.einsum("...c,ch->...h", dlogits, table_chunk.astype(jnp.float32),
+        dlogits = ((probs - onehot.astype(jnp.float32)) * g[..., None]).astype(dtype)
+        d_hidden = d_hidden + jnp.einsum("...c,ch->...h", dlogits, table_chunk.astype(dtype),
                                          preferred_element_type=jnp.float32)
         # Cast per chunk so the stacked table gradient is built in the table's own dtype.
         d_chunk = jnp.einsum("...c,...h->ch", dlogits, h, preferred_element_type=jnp.float32).astype(embedding.dtype)
         return d_hidden, d_chunk
 
     offsets = jnp.arange(chunks.shape[0], dtype=jnp.int32) * chunk
-    d_hidden, d_chunks = jax.lax.scan(step, jnp.zeros_like(h), (chunks, offsets))
+    d_hidden, d_chunks = jax.lax.scan(step, jnp.zeros(h.shape, jnp.float32), (chunks, offsets))
     d_embedding = d_chunks.reshape(-1, embedding.shape[1])[:vocab]
     return d_hidden.astype(hidden.dtype), d_embedding, None
 

@@ -61,7 +61,8 @@ def batch_sums(modeldef: ModelDef, params, biases, batch, cfg: StepConfig):
                                           remat=cfg.remat, layout=cfg.layout, scan=cfg.scan_layers,
                                           unroll=cfg.scan_unroll)
     # [B, S] kept apart: flattening a sequence-split batch would gather it (train/loss.py).
-    per_token = chunked_cross_entropy(hidden, params["embedding"], batch["targets"], chunk_size=cfg.vocab_chunk)
+    per_token = chunked_cross_entropy(hidden, params["embedding"], batch["targets"], chunk_size=cfg.vocab_chunk,
+                                      matmul_dtype=modeldef.cfg.compute_dtype)
     mask = batch["loss_mask"].astype(jnp.float32)
     valid = batch["segment_ids"] > 0
     counts = balancing.expert_counts(choices, valid, modeldef.cfg.num_experts)
