@@ -12,8 +12,11 @@ A weight's matrices start where its optimizer state lives (split over fsdp, tsp,
 data...). Left to itself, GSPMD reads the reshape into the spread batch as a new sharding of the
 stacked weight it cannot reach by exchanging tiles, and gathers the whole weight on every device
 (an "involuntary full rematerialization": ZAYA1-base's experts are 10 GiB a weight in fp32). So
-the batch is first pinned where the state is (`rules.merged_spec`), with the sharded batch
-dimension leading, and moved from there to the spread and back as one exchange each way.
+the matrices are first pinned where the state is (`rules.merged_spec`); the device factors of
+their batch dimensions lead the matrix index, so each device's matrices are one block of it
+(`_Front`); then the mesh axes that split inside the matrices move onto the index one at a time,
+an all-to-all each, and axes the state is replicated over just slice (`_route`). The results go
+back the same way.
 """
 
 from __future__ import annotations
