@@ -1,6 +1,8 @@
 """Chunked cross-entropy: equals the full-logits reference in value and gradient, and never builds [T, V]."""
 
 import math
+import os
+import re
 
 import jax
 import jax.numpy as jnp
@@ -8,7 +10,11 @@ import numpy as np
 import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+from zaya_jax.experiment import load_experiment
 from zaya_jax.train.loss import chunked_cross_entropy, reference_cross_entropy
+from zaya_jax.train.program import build_program
+
+TINY = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "experiments", "tiny_cpu.py")
 
 
 def inputs(tokens, vocab, width, seed=0, dtype=jnp.float32):
@@ -131,16 +137,9 @@ def test_a_batch_of_several_dimensions_gives_the_flat_batchs_loss_and_gradients(
 def test_a_sequence_split_train_step_computes_the_lm_head_on_its_own_tokens_only(axis):
     """The loss keeps [B, S]: flattening a sequence-split batch to [B·S, H] would gather every token
     to every device and compute the whole micro-batch's logits on each (found in the validation sweep)."""
-    import os
-    import re
-
-    from zaya_jax.experiment import load_experiment
-    from zaya_jax.train.program import build_program
-
-    tiny = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "experiments", "tiny_cpu.py")
     overrides = ["--config.train.seq_len=64", "--config.train.global_batch_size=8", "--config.model.num_hidden_layers=1",
                  "--config.mesh.data=1", f"--config.mesh.{axis}=8"]
-    program = build_program(load_experiment(tiny, overrides))
+    program = build_program(load_experiment(TINY, overrides))
     hlo = program.compile_train_step()[0].as_text()
     vocab = program.modeldef.cfg.vocab_size
     logits = [math.prod(int(d) for d in dims.split(",")[:-1]) for dims in re.findall(r"f32\[([\d,]+)\]", hlo)
@@ -168,19 +167,12 @@ def test_bf16_logits_matmuls_stay_within_the_stated_tolerance_of_fp32():
 
 
 def test_the_bf16_steps_head_is_a_bf16_dot_with_an_fp32_result():
-    import os
-    import re
-
-    from zaya_jax.experiment import load_experiment
-    from zaya_jax.train.program import build_program
-
-    tiny = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "experiments", "tiny_cpu.py")
     overrides = ["--config.train.seq_len=32", "--config.train.global_batch_size=4", "--config.model.num_hidden_layers=1",
                  "--config.mesh.data=1"]
     vocab, hidden = 272, 128
 
     def head_dots(dtype):
-        program = build_program(load_experiment(tiny, [*overrides, f"--config.model.compute_dtype={dtype}"]),
+        program = build_program(load_experiment(TINY, [*overrides, f"--config.model.compute_dtype={dtype}"]),
                                 jax.devices()[:1])
         text = program.lower_train_step().as_text()
         return re.findall(rf"dot_general.*tensor<{vocab}x{hidden}x(\w+)>.*-> tensor<[\dx]*{vocab}x(\w+)>", text)

@@ -113,6 +113,11 @@ def _data_split(group: ParamGroup, sizes: tuple[tuple[str, int], ...]) -> int | 
     return data_split_dim(partition_spec(axes, mesh, shape), shape, mesh)
 
 
+def state_axes(group: ParamGroup, sizes: dict[str, int], zero1: bool) -> frozenset[str]:
+    """The mesh axes the group's optimizer state is split over: its parameter's, and ZeRO-1's `data`."""
+    return sharded_axes(group, sizes) | ({"data"} if optimizer_split(group, sizes, zero1) > 1 else set())
+
+
 def batch_split_axes(group: ParamGroup, sizes: dict[str, int], zero1: bool) -> frozenset[str]:
     """The mesh axes that split a Muon weight's state between whole matrices (the experts' `expert`,
     ZeRO-1's `data` on the layer axis) rather than inside them."""

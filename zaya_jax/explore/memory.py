@@ -126,9 +126,13 @@ def gathered_per_layer(run: Run, sizes: dict[str, int], s: Share) -> float:
     and the K/V gathered along the sequence."""
     weights = sum(inventory.local_bytes(g, sizes, ("tsp",)) for g in inventory.block_groups(run.cfg)
                   if g.part == "attention" and "tsp" in inventory.sharded_axes(g, sizes))
+    return weights + gathered_kv_bytes(run, sizes, s)
+
+
+def gathered_kv_bytes(run: Run, sizes: dict[str, int], s: Share) -> float:
+    """One layer's K and V gathered along the sequence (tsp and sequence chunks); 0 unsplit."""
     chunks = sizes["tsp"] * sizes["sequence"]
-    kv = 2 * s.kv_heads * run.cfg.head_dim * run.compute_bytes if chunks > 1 else 0.0
-    return weights + s.tokens * chunks * kv
+    return s.tokens * chunks * 2 * s.kv_heads * run.cfg.head_dim * run.compute_bytes if chunks > 1 else 0.0
 
 
 def schedule_bytes(run: Run, sizes: dict[str, int], s: Share) -> dict[str, float]:
@@ -145,10 +149,8 @@ def schedule_bytes(run: Run, sizes: dict[str, int], s: Share) -> dict[str, float
         out["gathered_weights"] = 2 * (dense + experts) + embedding
     if sizes["tsp"] > 1:  # the slice in use and the one arriving
         out["ring_slices"] = 2 * sum(inventory.local_bytes(g, sizes, ("fsdp",)) for g in block if g.part == "experts")
-    chunks = sizes["tsp"] * sizes["sequence"]
-    if chunks > 1:
-        kv = 2 * s.kv_heads * cfg.head_dim * run.compute_bytes  # K and V per token
-        out["gathered_kv"] = s.tokens * chunks * kv * 2  # the gathered K/V and their gradient
+    if sizes["tsp"] * sizes["sequence"] > 1:
+        out["gathered_kv"] = 2 * gathered_kv_bytes(run, sizes, s)  # the gathered K/V and their gradient
     return out
 
 

@@ -122,8 +122,7 @@ def _muon_exchange(run: Run, sizes: dict[str, int], where: dict[str, Span]) -> l
             continue
         local = g.count * inventory.local_bytes(g, sizes) / inventory.optimizer_split(g, sizes, run.zero1)
         between = inventory.batch_split_axes(g, sizes, run.zero1)
-        inside = (inventory.sharded_axes(g, sizes) | ({"data"} if inventory.optimizer_split(g, sizes, run.zero1) > 1
-                                                      else set())) - between
+        inside = inventory.state_axes(g, sizes, run.zero1) - between
         for axis in inside:
             exchanged[axis] = exchanged.get(axis, 0.0) + local
         rest = tuple(a for a in spread_axes(sizes) if a not in inside and a not in between)
@@ -131,10 +130,14 @@ def _muon_exchange(run: Run, sizes: dict[str, int], where: dict[str, Span]) -> l
             gathered[rest] = gathered.get(rest, 0.0) + local
     out = [Transfer(axis, "all_to_all", nbytes, 2, False, "Muon's matrices to the spread and back", where[axis])
            for axis, nbytes in exchanged.items()]
-    for axes, nbytes in gathered.items():
-        span = Span(math.prod(where[x].intra for x in axes), math.prod(where[x].inter for x in axes))
-        out.append(Transfer("+".join(axes), "all_gather", nbytes, 1, False, "Muon's updates from the spread", span))
+    out += [Transfer("+".join(axes), "all_gather", nbytes, 1, False, "Muon's updates from the spread",
+                     _joint_span(where, axes)) for axes, nbytes in gathered.items()]
     return out
+
+
+def _joint_span(where: dict[str, Span], axes: tuple[str, ...]) -> Span:
+    """The placement of one collective over several axes at once."""
+    return Span(math.prod(where[x].intra for x in axes), math.prod(where[x].inter for x in axes))
 
 
 def _gradient_reductions(run: Run, sizes: dict[str, int], where: dict[str, Span]) -> list[Transfer]:
@@ -161,8 +164,8 @@ def _gradient_reductions(run: Run, sizes: dict[str, int], where: dict[str, Span]
         once["all_gather"] += nbytes if split else 0.0
     out = []
     for axes, nbytes in looped.items():
-        span = Span(math.prod(where[x].intra for x in axes), math.prod(where[x].inter for x in axes))
-        out.append(Transfer("+".join(axes), "all_reduce", nbytes, run.grad_accum, True, "gradients", span))
+        out.append(Transfer("+".join(axes), "all_reduce", nbytes, run.grad_accum, True, "gradients",
+                            _joint_span(where, axes)))
     what = {"all_reduce": "gradients, once per step", "reduce_scatter": "gradients onto the ZeRO-1 shards",
             "all_gather": "updated weights from the ZeRO-1 shards"}
     # After the loop (or the update) there is no compute left to hide behind.

@@ -28,7 +28,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from zaya_jax.parallel.rules import entry_axes, merged_spec, spread_axes
+from zaya_jax.parallel.rules import entry_axes, merged_spec, spec_entry, spread_axes
 
 # Matrix elements per device per pass: 16M fp32 (64 MiB) is 4 of ZAYA1-base's [2048 x 2048]
 # expert matrices, or 32 of its [2048 x 256] attention ones: enough to keep a GPU busy.
@@ -46,8 +46,7 @@ def spread_matrices(mesh: Mesh, held: dict | None = None, pass_elements: int = P
     held = held or {}
 
     def pin(x, entries):
-        entries = [e[0] if len(e) == 1 else (tuple(e) or None) for e in entries]
-        return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, P(*entries)))
+        return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, P(*map(spec_entry, entries))))
 
     def run(fn: Callable[[jax.Array], jax.Array], mats: jax.Array, key: str | None = None) -> jax.Array:
         where = [entry_axes(e) for e in merged_spec(*held[key], mats.shape)] if key in held else [()] * mats.ndim

@@ -56,8 +56,14 @@ def partition_spec(logical_axes: Iterable[str | None] | None, mesh: Mesh, shape=
             if shape is not None and shape[dim] % size:
                 axes = ()
             used.update(axes)
-            spec[dim] = axes[0] if len(axes) == 1 else (axes or None)
+            spec[dim] = spec_entry(axes)
     return PartitionSpec(*spec)
+
+
+def spec_entry(axes) -> str | tuple[str, ...] | None:
+    """The PartitionSpec entry of a dimension split over `axes` (None, one axis name, or a tuple)."""
+    axes = tuple(axes)
+    return axes[0] if len(axes) == 1 else (axes or None)
 
 
 def entry_axes(entry) -> tuple[str, ...]:
@@ -76,7 +82,7 @@ def keep_axes(spec: PartitionSpec, keep: Iterable[str]) -> PartitionSpec:
     out = []
     for entry in spec:
         axes = tuple(a for a in entry_axes(entry) if a in keep)
-        out.append(axes[0] if len(axes) == 1 else (axes or None))
+        out.append(spec_entry(axes))
     return PartitionSpec(*out)
 
 
