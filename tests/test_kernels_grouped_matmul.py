@@ -7,7 +7,7 @@ import pytest
 
 from kernel_checks import assert_close, check_values_and_grads
 from zaya_jax import kernels
-from zaya_jax.kernels import reference
+from zaya_jax.kernels import reference, tiled_grouped_matmul
 from zaya_jax.kernels.pallas_grouped_matmul import work_items
 from zaya_jax.kernels.tuning import GroupedMatmulBlocks
 
@@ -63,7 +63,39 @@ def test_xla_backend_matches_reference(rows, k, n, sizes):
     _check("xla", rows, k, n, sizes, jnp.float32)
 
 
-@pytest.mark.parametrize("backend", ["pallas", "xla"])
+@pytest.mark.parametrize("rows,k,n,sizes", CASES)
+def test_tiled_backend_matches_reference(rows, k, n, sizes):
+    _check("tiled", rows, k, n, sizes, jnp.float32)
+
+
+def test_tiled_bf16_with_fp32_output():
+    _check("tiled", 37, 24, 40, [3, 0, 10, 20, 1], jnp.bfloat16, out_dtype=jnp.float32)
+
+
+def test_tiled_backend_does_each_groups_work_once():
+    # XLA's CPU ragged_dot multiplies every row by every group's weight; the tiled form pads each
+    # group to whole tiles, so its multiply-adds stay within (M + G·tile)·K·N (+ the one-hot weight pick).
+    rows, k, n, groups = 2048, 64, 64, 4
+    lhs, rhs = jnp.ones((rows, k)), jnp.ones((groups, k, n))
+    sizes = jnp.asarray([500, 600, 400, 300], jnp.int32)
+    tile = tiled_grouped_matmul.tile_rows(rows, groups)
+    tiles = -(-rows // tile) + groups
+
+    def flops(backend):
+        fn = jax.jit(lambda a, b, g: kernels.grouped_matmul(a, b, g, backend=backend))
+        cost = fn.lower(lhs, rhs, sizes).compile().cost_analysis()
+        return (cost[0] if isinstance(cost, list) else cost)["flops"]
+
+    bound = 2 * (rows + groups * tile) * k * n + 2 * tiles * groups * k * n
+    assert flops("tiled") <= 1.05 * bound, (flops("tiled"), bound)
+
+
+@pytest.mark.parametrize("rows,groups,tile", [(2048, 4, 128), (2048, 16, 32), (64, 4, 8), (100000, 2, 128), (5, 1, 8)])
+def test_tiled_tile_rows(rows, groups, tile):
+    assert tiled_grouped_matmul.tile_rows(rows, groups) == tile
+
+
+@pytest.mark.parametrize("backend", ["pallas", "xla", "tiled"])
 @pytest.mark.parametrize("rows,k,n,sizes", [CASES[1], CASES[4]])
 def test_transposed_form_matches_reference(backend, rows, k, n, sizes):
     lhs, _, group_sizes = _inputs(rows, k, n, sizes, jnp.float32)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
-from zaya_jax.kernels import reference, xla_backends
+from zaya_jax.kernels import reference, tiled_grouped_matmul, xla_backends
 from zaya_jax.kernels.registry import interpret_mode, resolve
 
 
@@ -58,7 +58,7 @@ def grouped_matmul(lhs, rhs, group_sizes, *, preferred_element_type=None, backen
     if backend in ("cudnn", "hipblaslt"):  # ragged_dot too; the backend's XLA flag picks the GEMM (registry.XLA_FLAGS)
         out = xla_backends.vendor_grouped_matmul(lhs, rhs, group_sizes)
         return out.astype(preferred_element_type or lhs.dtype)
-    impl = reference if backend == "reference" else xla_backends
+    impl = {"reference": reference, "tiled": tiled_grouped_matmul}.get(backend, xla_backends)
     return impl.grouped_matmul(lhs, rhs, group_sizes, preferred_element_type=preferred_element_type)
 
 
@@ -76,7 +76,8 @@ def grouped_matmul_transposed(lhs, dout, group_sizes, *, num_groups=None, prefer
         return pallas_gmm.grouped_matmul_transposed(
             lhs, dout, group_sizes, num_groups, preferred_element_type=preferred_element_type, blocks=blocks,
             interpret=interpret_mode(interpret))
-    impl = reference if backend == "reference" else xla_backends  # xla, cudnn, hipblaslt: ragged_dot_general
+    # xla, cudnn, hipblaslt: ragged_dot_general
+    impl = {"reference": reference, "tiled": tiled_grouped_matmul}.get(backend, xla_backends)
     return impl.grouped_matmul_transposed(lhs, dout, group_sizes, num_groups,
                                           preferred_element_type=preferred_element_type)
 

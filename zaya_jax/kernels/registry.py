@@ -2,7 +2,8 @@
 per-target defaults, and the kernel target itself.
 
 Three kernels (`attention`, `grouped_matmul`, `rms_norm`) each have a `reference` (plain jnp,
-the obviously-correct form every other backend is tested against), an `xla` form, and a
+the obviously-correct form every other backend is tested against), an `xla` form (for the
+grouped matmul also `tiled`, XLA ops in the Pallas kernel's tile layout: the CPU default), and a
 `pallas` form (Triton lowering on CUDA and ROCm, `interpret=True` on CPU). Vendor backends exist
 on one GPU target only (`VENDOR_BACKENDS`): attention's `cudnn` (through
 `jax.nn.dot_product_attention`; no segment-id mask, so inference only), and the grouped matmul's
@@ -30,7 +31,7 @@ from zaya_jax.errors import ZayaError
 KERNELS = ("attention", "grouped_matmul", "rms_norm")
 BACKENDS: dict[str, tuple[str, ...]] = {
     "attention": ("reference", "xla", "pallas", "cudnn"),
-    "grouped_matmul": ("reference", "xla", "pallas", "cudnn", "hipblaslt"),
+    "grouped_matmul": ("reference", "xla", "tiled", "pallas", "cudnn", "hipblaslt"),
     "rms_norm": ("reference", "xla", "pallas"),
 }
 TARGETS = ("cpu", "cuda", "rocm", "tpu")
@@ -67,14 +68,16 @@ DESCRIPTIONS: dict[tuple[str, str], str] = {
 }
 
 # Why these defaults: on CPU, Pallas runs only through the (slow) interpreter, so XLA is the
-# fast path. On GPUs, XLA's attention materialises [S, S] logits per head and XLA's ragged_dot
+# fast path; for the grouped matmul the `tiled` form, since XLA's CPU ragged_dot multiplies every
+# row by every group's weight (G times the work; `kernels/tiled_grouped_matmul.py`). On GPUs,
+# XLA's attention materialises [S, S] logits per head and XLA's ragged_dot
 # becomes a dense padded batched matmul on NVIDIA (one expert's work per expert, repeated
 # for all), so the Pallas kernels are the only scalable choice on both vendors. The vendor grouped
 # GEMMs (`cudnn`, `hipblaslt`) are opt-in: untimed here, process-wide XLA flags, cuDNN's covers
 # only the forward and input gradient, and XLA calls hipBLASLt's "not fully optimized".
 _PALLAS = {"attention": "pallas", "grouped_matmul": "pallas", "rms_norm": "pallas"}
 DEFAULTS: dict[str, dict[str, str]] = {
-    "cpu": {"attention": "xla", "grouped_matmul": "xla", "rms_norm": "xla"},
+    "cpu": {"attention": "xla", "grouped_matmul": "tiled", "rms_norm": "xla"},
     "cuda": dict(_PALLAS),
     "rocm": dict(_PALLAS),
     "tpu": {"attention": "xla", "grouped_matmul": "xla", "rms_norm": "xla"},
