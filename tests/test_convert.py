@@ -217,36 +217,3 @@ def test_bad_shard_size_flag(converted, tmp_path, capsys):
     assert exit_info.value.code == 2
     assert "'5XB' is not a size like 5GB" in capsys.readouterr().err.strip().splitlines()[-1]
     assert not os.path.exists(tmp_path / "o")
-
-
-def test_fused_gate_up_holds_hf_gate_then_up_rows_bit_for_bit(hf_dir, converted):
-    from zaya_jax.checkpoint import orbax_store
-    from zaya_jax.model.state import expected_shapes
-
-    key = "layers/1/moe/experts/gate_up"
-    ours = orbax_store.load_arrays(converted, [key], expected_shapes(CFG))[key]  # [E, 2, H, I]
-    hf = read_dir(hf_dir[0])["model.layers.1.mlp.experts.gate_up_proj"]  # [E, 2I, H], gate rows first
-    inter = CFG.moe_intermediate_size
-    assert ours.shape == (CFG.num_experts, 2, CFG.hidden_size, inter)
-    assert np.array_equal(ours[:, 0], hf[:, :inter].transpose(0, 2, 1))
-    assert np.array_equal(ours[:, 1], hf[:, inter:].transpose(0, 2, 1))
-
-
-def test_a_checkpoint_with_separate_gate_and_up_is_refused_with_the_way_forward(converted, tmp_path, capsys):
-    from zaya_jax.checkpoint import orbax_store
-    from zaya_jax.model.state import expected_shapes
-
-    shapes = expected_shapes(CFG)
-    arrays = orbax_store.load_arrays(converted, list(shapes), shapes)
-    legacy = {}
-    for key, value in arrays.items():  # the layout before the fusion: gate, up [E, H, I]
-        if key.endswith("experts/gate_up"):
-            legacy[key[:-3]], legacy[key[:-7] + "up"] = value[:, 0], value[:, 1]
-        else:
-            legacy[key] = value
-    old = str(tmp_path / "old")
-    orbax_store.save_groups(old, CFG, [legacy])
-    assert main(["convert", "to-hf", f"--ckpt={old}", f"--out={tmp_path / 'out'}", "--quiet"]) == 2
-    err = capsys.readouterr().err
-    assert "gate and up weights separately" in err and "zaya convert from-hf" in err and "Traceback" not in err
-    assert not os.path.exists(tmp_path / "out")

@@ -40,7 +40,7 @@ def _abstract(mesh):
             for n, v in params.items()}
     e, h, i = CFG.num_experts, CFG.hidden_size, CFG.moe_intermediate_size
     experts = [jax.ShapeDtypeStruct(s, jnp.float32, sharding=named_sharding(experts_layout.WEIGHT_AXES[n], mesh, s))
-               for n, s in (("gate_up", (e, 2, h, i)), ("down", (e, i, h)))]
+               for n, s in (("gate", (e, h, i)), ("up", (e, h, i)), ("down", (e, i, h)))]
     x = jax.ShapeDtypeStruct((B, S, h), jnp.float32, sharding=NamedSharding(mesh, P(*row.spec, None)))
     ints = jax.ShapeDtypeStruct((B, S), jnp.int32, sharding=row)
     floats = jax.ShapeDtypeStruct((B, S), jnp.float32, sharding=row)
@@ -55,9 +55,9 @@ def _attention(mesh):
 
 
 def _experts(mesh):
-    def layer(x, expert, weight, gate_up, down):
+    def layer(x, expert, weight, gate, up, down):
         with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
-            return experts_layout.experts(x, expert, weight, gate_up, down, backend="xla")
+            return experts_layout.experts(x, expert, weight, gate, up, down, backend="xla")
     return layer
 
 
@@ -105,12 +105,12 @@ def test_tsp_experts_ring_has_only_permutes():
     mesh = _mesh(tsp=d)
     _, experts, x, ints, floats = _abstract(mesh)
     written, compiled, _ = _collectives(_experts(mesh), x, ints, floats, *experts)
-    assert written == compiled == {"collective_permute": 2 * (d - 1)}  # gate_up, down slices, D-1 hops
-    written, compiled, _ = _collectives(_grad(_experts(mesh), (0, 3, 4)), x, ints, floats, *experts)
+    assert written == compiled == {"collective_permute": 3 * (d - 1)}  # gate, up, down slices, D-1 hops
+    written, compiled, _ = _collectives(_grad(_experts(mesh), (0, 3, 4, 5)), x, ints, floats, *experts)
     # Backward ring: the slices travel again (D-1 hops) and their gradient accumulators D hops
     # home; XLA shares the forward's slice permutes with the backward's.
-    assert written == {"collective_permute": 2 * (d - 1) * 2 + 2 * d}
-    assert compiled == {"collective_permute": 2 * (d - 1) + 2 * d}
+    assert written == {"collective_permute": 3 * (d - 1) * 2 + 3 * d}
+    assert compiled == {"collective_permute": 3 * (d - 1) + 3 * d}
 
 
 @pytest.mark.parametrize("layout", [dict(sequence=8), dict(tensor=2, sequence=4)], ids=str)

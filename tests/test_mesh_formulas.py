@@ -110,7 +110,7 @@ def test_state_bytes_by_hand():
     assert one.params == 4 * total + biases and one.grads == 4 * total
     assert one.optimizer == 4 * muon + 8 * (total - muon) + 2 * biases
     # fsdp 2 halves every parameter with a hidden (`embed`) dimension; tsp 2 halves the experts on their width.
-    experts = next(g for g in groups if g.path.endswith("experts/down"))
+    experts = next(g for g in groups if g.path.endswith("experts/gate"))
     assert inventory.local_bytes(experts, mesh(fsdp=2)) == 4 * 4 * 64 * 32 / 2
     assert inventory.local_bytes(experts, mesh(tsp=2)) == 4 * 4 * 64 * 32 / 2
     assert inventory.local_bytes(experts, mesh(expert=4, fsdp=2), gathered=("fsdp",)) == 1 * 64 * 32 * 4  # one expert

@@ -85,13 +85,13 @@ def test_each_device_orthogonalises_its_share_of_the_matrices():
                                              (dict(data=2, expert=4), False)],
                          ids=["tsp 8", "fsdp 8", "fsdp 2 x tsp 4", "data 2 x expert 4"])
 def test_matrices_move_to_the_spread_by_exchange_never_by_gathering_a_whole_weight(mesh, exchanged):
-    """A stacked expert weight [L, E, 2, H, I] split on H or I reaches the spread ([L·E] matrices over
+    """A stacked expert weight [L, E, H, I] split on H or I reaches the spread ([L·E] matrices over
     the devices) and comes back by all-to-all; split on L and E (ZeRO-1's data, expert) its
     matrices are already whole. No all-gather in the update rebuilds a whole expert weight (GSPMD
     did, unasked, before the matrices were pinned where their state lives)."""
     program, compiled = _compiled_update(4, **mesh)
     hlo = compiled.as_text()
-    whole = math.prod(program.modeldef.param_shapes["layers/moe/experts/down"])
+    whole = math.prod(program.modeldef.param_shapes["layers/moe/experts/gate"])
     gathered = [math.prod(int(d) for d in dims.split(",")) for dims in re.findall(r"= f32\[([\d,]+)\]\S* all-gather\(", hlo)]
     assert max(gathered, default=0) < whole, (max(gathered), whole)
     assert ("all-to-all(" in hlo) == exchanged

@@ -110,7 +110,8 @@ EXPECTED = {
     "layers/moe/router/fc1": ("muon", True),
     "layers/moe/router/out": ("muon", True),
     "layers/moe/router/norm/weight": ("adamw", False),
-    "layers/moe/experts/gate_up": ("muon", True),
+    "layers/moe/experts/gate": ("muon", True),
+    "layers/moe/experts/up": ("muon", True),
     "layers/moe/experts/down": ("muon", True),
 }
 

@@ -195,14 +195,3 @@ def test_partial_checkpoint_without_metadata_is_refused(tmp_path, saved_on_data8
     with pytest.raises(ZayaError, match="checkpoints/4") as err:
         train(_exp(8, data=8), str(workdir), devices=jax.devices()[:8], out=open(os.devnull, "w"))
     assert "\n" not in str(err.value)
-
-
-def test_a_train_state_from_before_the_fused_gate_up_is_refused_in_words():
-    from zaya_jax.train.checkpoints import check_compatible
-
-    current = {"model": {}, "state_shapes": {"['params']['layers/moe/experts/gate_up']": [2, 4, 2, 8, 16]}}
-    saved = {"model": {}, "state_shapes": {"['params']['layers/moe/experts/gate']": [2, 4, 8, 16],
-                                           "['params']['layers/moe/experts/up']": [2, 4, 8, 16]}}
-    with pytest.raises(ZayaError, match=r"^checkpoint ckpt/7 was written before the experts' gate and up weights "
-                                        r"were fused .* fresh --workdir$"):
-        check_compatible(saved, current, "ckpt/7")

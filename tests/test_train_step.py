@@ -78,12 +78,12 @@ def test_parameters_are_sharded_as_the_rules_say():
     program = build_program(load_experiment(TINY, _overrides(fsdp=2, expert=4)), devices=jax.devices())
     state = program.init()
     wq = state.params["layers/attn/wq"]  # [L, H, nq, d]: the layer axis whole, H over fsdp
-    gate = state.params["layers/moe/experts/gate_up"]  # [L, E, 2, H, I]: E over expert, H over fsdp
+    gate = state.params["layers/moe/experts/gate"]  # [L, E, H, I]: E over expert, H over fsdp
     assert tuple(wq.sharding.spec[:2]) == (None, "fsdp")
-    assert tuple(gate.sharding.spec[:4]) == (None, "expert", None, "fsdp")
-    assert gate.addressable_shards[0].data.shape == (2, 1, 2, 64, 128)
+    assert tuple(gate.sharding.spec[:3]) == (None, "expert", "fsdp")
+    assert gate.addressable_shards[0].data.shape == (2, 1, 64, 128)
     flat = jax.tree_util.tree_flatten_with_path(state.opt_state)[0]  # moments follow their parameter
-    moments = [x for path, x in flat if "'layers/moe/experts/gate_up'" in jax.tree_util.keystr(path)]
+    moments = [x for path, x in flat if "'layers/moe/experts/gate'" in jax.tree_util.keystr(path)]
     assert moments and all(x.sharding.spec == gate.sharding.spec for x in moments)
 
 

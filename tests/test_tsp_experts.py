@@ -11,34 +11,34 @@ from zaya_jax.model.moe import by_expert, grouped_swiglu
 from zaya_jax.parallel.tsp_experts import ring_experts
 
 E, H, I, T = 4, 16, 32, 64  # experts, hidden, expert width (I/8 = 4 per rank), tokens (8 per rank)
-# tokens, expert choice, router weight: split over tsp; gate_up/down: split on the expert width.
-SPECS = (P("tsp"), P("tsp"), P("tsp"), P(None, None, None, "tsp"), P(None, "tsp", None))
+# tokens, expert choice, router weight: split over tsp; gate/up/down: split on the expert width.
+SPECS = (P("tsp"), P("tsp"), P("tsp"), P(None, None, "tsp"), P(None, None, "tsp"), P(None, "tsp", None))
 
 
 def _inputs(seed=0):
-    keys = jax.random.split(jax.random.PRNGKey(seed), 5)
+    keys = jax.random.split(jax.random.PRNGKey(seed), 6)
     x = jax.random.normal(keys[0], (T, H), jnp.float32)
     expert = jax.random.randint(keys[1], (T,), 0, E + 1)  # E = the skip class
     weight = jax.random.uniform(keys[2], (T,), jnp.float32, 0.5, 1.0)
-    gate_up = 0.3 * jax.random.normal(keys[3], (E, 2, H, I), jnp.float32)
-    down = 0.3 * jax.random.normal(keys[4], (E, I, H), jnp.float32)
-    return x, expert, weight, gate_up, down
+    gate, up = (0.3 * jax.random.normal(k, (E, H, I), jnp.float32) for k in keys[3:5])
+    down = 0.3 * jax.random.normal(keys[5], (E, I, H), jnp.float32)
+    return x, expert, weight, gate, up, down
 
 
-def _experts(x, expert, weight, gate_up, down, matmul):
-    """The MoE layer's sort → `matmul(xs, sizes, gate_up, down)` → unsort."""
-    return by_expert(x, expert, weight, E, lambda xs, sizes: matmul(xs, sizes, gate_up, down))
+def _experts(x, expert, weight, gate, up, down, matmul):
+    """The MoE layer's sort → `matmul(xs, sizes, gate, up, down)` → unsort."""
+    return by_expert(x, expert, weight, E, lambda xs, sizes: matmul(xs, sizes, gate, up, down))
 
 
-def _dense(xs, sizes, gate_up, down):
-    return grouped_swiglu(xs, sizes, gate_up, down, "reference")
+def _dense(xs, sizes, gate, up, down):
+    return grouped_swiglu(xs, sizes, gate, up, down, "reference")
 
 
 def _tsp(mesh, backend):
     ring = jax.shard_map(
-        lambda x, expert, weight, gate_up, down: _experts(
-            x, expert, weight, gate_up, down,
-            lambda xs, sizes, gu, d: ring_experts(xs, sizes, gu, d, axis="tsp", backend=backend)),
+        lambda x, expert, weight, gate, up, down: _experts(
+            x, expert, weight, gate, up, down,
+            lambda xs, sizes, g, u, d: ring_experts(xs, sizes, g, u, d, axis="tsp", backend=backend)),
         mesh=mesh, in_specs=SPECS,
         out_specs=P("tsp"), check_vma=False)  # Pallas out_shapes carry no varying-axes annotation
     return ring
@@ -46,21 +46,21 @@ def _tsp(mesh, backend):
 
 def _loss(fn):
     probe = jax.random.normal(jax.random.PRNGKey(9), (T, H))
-    return lambda x, expert, weight, gate_up, down: jnp.sum(fn(x, expert, weight, gate_up, down) * probe)
+    return lambda x, expert, weight, gate, up, down: jnp.sum(fn(x, expert, weight, gate, up, down) * probe)
 
 
 @pytest.mark.parametrize("backend", ["xla", "pallas"])
 def test_ring_matches_single_device_values_and_gradients(backend):
     mesh = jax.make_mesh((8,), ("tsp",))
-    inputs = _inputs()
-    placed = [jax.device_put(a, NamedSharding(mesh, s)) for a, s in zip(inputs, SPECS)]
+    x, expert, weight, gate, up, down = _inputs()
+    placed = [jax.device_put(a, NamedSharding(mesh, s)) for a, s in zip((x, expert, weight, gate, up, down), SPECS)]
     ring = _tsp(mesh, backend)
     single = lambda *a: _experts(*a, _dense)  # noqa: E731
-    assert_close(jax.jit(ring)(*placed), single(*inputs), jnp.float32, "ring output")
-    diff = (0, 3, 4)
+    assert_close(jax.jit(ring)(*placed), single(x, expert, weight, gate, up, down), jnp.float32, "ring output")
+    diff = (0, 3, 4, 5)
     grads = jax.jit(jax.grad(_loss(ring), diff))(*placed)
-    ref = jax.grad(_loss(single), diff)(*inputs)
-    for name, g, r in zip(("x", "gate_up", "down"), grads, ref):
+    ref = jax.grad(_loss(single), diff)(x, expert, weight, gate, up, down)
+    for name, g, r in zip(("x", "gate", "up", "down"), grads, ref):
         assert_close(g, r, jnp.float32, f"ring gradient of {name}")
 
 
@@ -68,10 +68,10 @@ def test_compiled_ring_has_no_all_reduce_and_the_schedule_s_permutes():
     mesh = jax.make_mesh((8,), ("tsp",))
     args = [jax.device_put(a, NamedSharding(mesh, s)) for a, s in zip(_inputs(), SPECS)]
     forward = jax.jit(_tsp(mesh, "xla")).lower(*args).compile().as_text()
-    backward = jax.jit(jax.grad(_loss(_tsp(mesh, "xla")), (0, 3, 4))).lower(*args).compile().as_text()
+    backward = jax.jit(jax.grad(_loss(_tsp(mesh, "xla")), (0, 3, 4, 5))).lower(*args).compile().as_text()
     for hlo in (forward, backward):
         assert "all-reduce" not in hlo and "all-gather" not in hlo
-    # Forward: 7 hops of the 2 slices (gate_up, down). Gradient (XLA drops the unused primal ring):
-    # 7 hops of the slices and 8 of their gradient accumulators, which end at their owners.
-    assert forward.count("collective-permute(") == 2 * 7
-    assert backward.count("collective-permute(") == 2 * 7 + 2 * 8
+    # Forward: 7 hops of the 3 slices. Gradient (XLA drops the unused primal ring): 7 hops of
+    # the slices and 8 of their gradient accumulators, which end at their owners.
+    assert forward.count("collective-permute(") == 3 * 7
+    assert backward.count("collective-permute(") == 3 * 7 + 3 * 8

@@ -61,10 +61,6 @@ def from_hf(hf_dir: str, out: str, progress: bool = True) -> ModelConfig:
 def check_stored(ckpt: str, cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     shapes = orbax_store.stored_shapes(ckpt)
     for key, shape in expected_shapes(cfg).items():
-        if key not in shapes and key.endswith("experts/gate_up") and key[:-3] in shapes:
-            raise ZayaError(f"{ckpt} holds the experts' gate and up weights separately, as zaya-jax did before "
-                            "they were fused into one gate_up weight: export it to HF with the version that "
-                            "wrote it (zaya convert to-hf), then convert that back (zaya convert from-hf)")
         if key not in shapes:
             raise ZayaError(f"{ckpt} is missing tensor {key!r} required by its model config")
         if shapes[key] != shape:

@@ -57,13 +57,14 @@ def _grouped_to_hf(arrays, shapes):
     return [arrays[0].transpose(1, 3, 2, 0).reshape(shapes[0])]
 
 
-def _gate_up_to_ours(arrays, shapes):  # [E, 2I, H] (gate rows first) → gate_up [E, 2, H, I]
-    experts, two, hidden, inter = shapes[0]
-    return [np.reshape(arrays[0], (experts, two, inter, hidden)).transpose(0, 1, 3, 2)]
+def _gate_up_to_ours(arrays, shapes):  # [E, 2I, H] (gate rows first) → gate, up [E, H, I]
+    inter = shapes[0][2]
+    fused = arrays[0]
+    return [fused[:, :inter].transpose(0, 2, 1), fused[:, inter:].transpose(0, 2, 1)]
 
 
 def _gate_up_to_hf(arrays, shapes):
-    return [np.reshape(arrays[0].transpose(0, 1, 3, 2), shapes[0])]
+    return [np.concatenate([arrays[0].transpose(0, 2, 1), arrays[1].transpose(0, 2, 1)], axis=1)]
 
 
 def _swap_last(arrays, shapes):  # [E, H, I] ⇄ [E, I, H]
@@ -132,7 +133,8 @@ def rules(cfg: ModelConfig) -> Iterator[Rule]:
         yield one(g, gate + "router_mlp.fc2.bias", ro + "fc2_bias", (r,))
         yield one(g, gate + "router_mlp.out_proj.weight", ro + "out", (e + 1, r), LINEAR)
         yield one(g, gate + "balancing_biases", ro + "balancing_biases", (e + 1,))
-        yield one(g, hp + "mlp.experts.gate_up_proj", op + "moe/experts/gate_up", (e, 2 * i_, h), GATE_UP)
+        yield Rule(g, (hp + "mlp.experts.gate_up_proj",), (op + "moe/experts/gate", op + "moe/experts/up"),
+                   ((e, 2 * i_, h),), GATE_UP)
         yield one(g, hp + "mlp.experts.down_proj", op + "moe/experts/down", (e, h, i_), EXPERT_DOWN)
 
 

@@ -19,7 +19,7 @@ class Layout:
         """The CCA layer's output, or None for the model's own single-device attention."""
         return None
 
-    def experts(self, x, routing, gate_up, down, backend: str):
+    def experts(self, x, routing, gate, up, down, backend: str):
         """The experts' output [B, S, H], or None for the model's own sort-by-expert path."""
         return None
 

@@ -1,11 +1,7 @@
 """Top-1 SwiGLU experts and the MoE layer (router + experts).
 
 Tokens are sorted by their chosen expert, run through `zaya_jax.kernels.grouped_matmul` (the
-`model.moe_kernel` backend), then unsorted: each expert computes only its own tokens. Gate and
-up are one weight, `gate_up` [E, 2, H, I] (gate first), and one grouped matmul against its
-[E, H, 2·I] view: the gate and up halves of every slice of the width sit side by side, so a
-device holding a slice of I (tensor, TSP) holds matching gate and up columns, and Muon
-orthogonalises gate and up as the separate matrices they are. Skip-class
+`model.moe_kernel` backend), then unsorted: each expert computes only its own tokens. Skip-class
 tokens sort to the end, past every group, where the grouped matmul outputs zero. On a mesh with
 expert, TSP or tensor parallelism the `Layout` the program hands the model runs the same math
 per device in the schedule of `parallel/experts_layout.py`.
@@ -29,20 +25,21 @@ class Experts(nnx.Module):
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
         e, h, i = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
         init = normal(cfg.initializer_range)
-        self.gate_up = make_param(rngs, init, (e, 2, h, i), ("experts", "gate_up", "embed", "mlp"))
+        self.gate = make_param(rngs, init, (e, h, i), ("experts", "embed", "mlp"))
+        self.up = make_param(rngs, init, (e, h, i), ("experts", "embed", "mlp"))
         self.down = make_param(rngs, init, (e, i, h), ("experts", "mlp", "embed"))
         self.kernel = cfg.moe_kernel
 
     def __call__(self, x: jax.Array, routing: Routing, layout: Layout = LOCAL) -> jax.Array:
         """x: [B, S, H]; returns weight · down(silu(gate x) ⊙ up x) per token, [B, S, H] in x's dtype."""
         dt = x.dtype
-        gate_up, down = (w[...].astype(dt) for w in (self.gate_up, self.down))
-        out = layout.experts(x, routing, gate_up, down, self.kernel)
+        gate, up, down = (w[...].astype(dt) for w in (self.gate, self.up, self.down))
+        out = layout.experts(x, routing, gate, up, down, self.kernel)
         if out is not None:
             return out
         batch, length, hidden = x.shape
         out = by_expert(x.reshape(-1, hidden), routing.expert.reshape(-1), routing.weight.reshape(-1),
-                        down.shape[0], lambda xs, sizes: grouped_swiglu(xs, sizes, gate_up, down, self.kernel))
+                        gate.shape[0], lambda xs, sizes: grouped_swiglu(xs, sizes, gate, up, down, self.kernel))
         return out.reshape(batch, length, hidden)
 
 
@@ -58,23 +55,15 @@ def by_expert(x, expert, weight, num_experts: int, experts_fn):
         return jnp.zeros_like(out).at[order].set(out).astype(x.dtype)
 
 
-def fused_gate_up(gate_up):
-    """[E, 2, H, I] → [E, H, 2·I]: gate columns, then up columns (one grouped matmul's weight)."""
-    experts, _, hidden, width = gate_up.shape
-    return jnp.swapaxes(gate_up, 1, 2).reshape(experts, hidden, 2 * width)
-
-
-def grouped_swiglu(xs, sizes, gate_up, down, backend):
+def grouped_swiglu(xs, sizes, gate, up, down, backend):
     """down(silu(gate xs) ⊙ up xs) per expert group of the sorted rows xs, fp32 [T, H]; rows past
-    the groups are 0. gate_up [E, 2, H, I], down [E, I, H]: also the per-slice step of the TSP
-    experts ring (any slice of the width)."""
+    the groups are 0. Also the per-slice step of the TSP experts ring (any slice of the width)."""
 
     def matmul(rows, w, name):  # named for the `moe` remat policy (model/remat.py)
         out = kernels.grouped_matmul(rows, w, sizes, preferred_element_type=jnp.float32, backend=backend)
         return checkpoint_name(out, name)
 
-    gate, up = jnp.split(matmul(xs, fused_gate_up(gate_up), "moe_gate_up"), 2, axis=-1)
-    hidden = (jax.nn.silu(gate) * up).astype(xs.dtype)
+    hidden = (jax.nn.silu(matmul(xs, gate, "moe_gate")) * matmul(xs, up, "moe_up")).astype(xs.dtype)
     return matmul(hidden, down, "moe_down")
 
 

@@ -33,7 +33,8 @@ from zaya_jax.parallel.batch_map import axes_in_context, axis_size, layout_map, 
 from zaya_jax.parallel.rules import keep_axes, partition_spec
 from zaya_jax.parallel.tsp_experts import ring_experts
 
-WEIGHT_AXES = {"gate_up": ("experts", "gate_up", "embed", "mlp"), "down": ("experts", "mlp", "embed")}
+WEIGHT_AXES = {"gate": ("experts", "embed", "mlp"), "up": ("experts", "embed", "mlp"),
+               "down": ("experts", "mlp", "embed")}
 
 
 def active(backend: str) -> bool:
@@ -41,23 +42,23 @@ def active(backend: str) -> bool:
     return bool(axes_in_context())
 
 
-def experts(x, expert, weight, gate_up, down, *, backend: str):
-    """x [B, S, H], expert/weight [B, S]; gate_up [E, 2, H, I], down [E, I, H] → [B, S, H] in x's dtype."""
+def experts(x, expert, weight, gate, up, down, *, backend: str):
+    """x [B, S, H], expert/weight [B, S]; gate/up [E, H, I], down [E, I, H] → [B, S, H] in x's dtype."""
     mesh = jax.sharding.get_abstract_mesh()
     specs = tuple(keep_axes(partition_spec(WEIGHT_AXES[n], mesh, w.shape), MODEL_AXES)
-                  for n, w in (("gate_up", gate_up), ("down", down)))
+                  for n, w in (("gate", gate), ("up", up), ("down", down)))
     rows = row_spec()
     mapped = layout_map(functools.partial(_local_experts, backend=backend),
                         in_specs=(P(*rows, None), rows, rows) + specs, out_specs=P(*rows, None),
                         check_vma=False)  # Pallas outputs carry no vma
-    return mapped(x, expert, weight, gate_up, down)
+    return mapped(x, expert, weight, gate, up, down)
 
 
-def _local_experts(x, expert, weight, gate_up, down, *, backend):
+def _local_experts(x, expert, weight, gate, up, down, *, backend):
     batch, length, hidden = x.shape
     x, expert, weight = x.reshape(-1, hidden), expert.reshape(-1), weight.reshape(-1)
     owners = axis_size("expert")
-    local = down.shape[0]
+    local = gate.shape[0]
     if owners > 1:
         x, expert, weight = (jax.lax.all_gather(a, "expert", axis=0, tiled=True) for a in (x, expert, weight))
         expert = expert - jax.lax.axis_index("expert") * local
@@ -65,9 +66,9 @@ def _local_experts(x, expert, weight, gate_up, down, *, backend):
 
     def swiglu(xs, sizes):
         if axis_size("tsp") > 1:
-            out = ring_experts(xs, sizes, gate_up, down, axis="tsp", backend=backend)
+            out = ring_experts(xs, sizes, gate, up, down, axis="tsp", backend=backend)
         else:
-            out = moe_math.grouped_swiglu(xs, sizes, gate_up, down, backend)
+            out = moe_math.grouped_swiglu(xs, sizes, gate, up, down, backend)
         return jax.lax.psum(out, "tensor") if axis_size("tensor") > 1 else out
 
     out = moe_math.by_expert(x, expert, weight, local, swiglu)

@@ -22,10 +22,10 @@ class MeshLayout(Layout):
     def attention(self, params, x, seq, cfg):
         return attention_layout.cca(params, x, seq, cfg) if attention_layout.active() else None
 
-    def experts(self, x, routing, gate_up, down, backend):
+    def experts(self, x, routing, gate, up, down, backend):
         if not experts_layout.active(backend):
             return None
-        return experts_layout.experts(x, routing.expert, routing.weight, gate_up, down, backend=backend)
+        return experts_layout.experts(x, routing.expert, routing.weight, gate, up, down, backend=backend)
 
     def run_kernel(self, kernel, backend, fn, batched, replicated=()):
         return run_kernel(kernel, backend, fn, batched, replicated)

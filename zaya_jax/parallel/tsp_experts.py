@@ -1,7 +1,7 @@
 """TSP experts: top-1 SwiGLU experts whose weight slices circulate in a ring over the `tsp` axis.
 
 Inside `shard_map` over `tsp` (size D), each rank holds its own tokens and, for every expert,
-one slice of the intermediate dimension: gate_up `[E, 2, H, I/D]`, down `[E, I/D, H]`. SwiGLU is
+one slice of the intermediate dimension: gate/up `[E, H, I/D]`, down `[E, I/D, H]`. SwiGLU is
 elementwise over the intermediate dimension, so the output is the sum over slices of
 `down_s(silu(gate_s x) ⊙ up_s x)`. The forward applies the slice it holds to its tokens, passes
 the slice on with `ppermute` and takes the next, D times: no all-reduce, and two slices are
@@ -27,13 +27,13 @@ import jax.numpy as jnp
 from zaya_jax.model import moe as moe_math
 
 
-def ring_experts(xs, group_sizes, gate_up, down, *, axis: str, backend: str | None = None):
+def ring_experts(xs, group_sizes, gate, up, down, *, axis: str, backend: str | None = None):
     """Σ over the ring of down_s(silu(gate_s xs) ⊙ up_s xs), fp32 [T, H]; call inside shard_map.
 
     xs: this rank's tokens sorted by expert [T, H]; group_sizes: int32 [E] (rows past them are
-    skipped and output 0); gate_up: this rank's slices [E, 2, H, I/D]; down: [E, I/D, H].
+    skipped and output 0); gate/up: this rank's slices [E, H, I/D]; down: [E, I/D, H].
     """
-    return _ring(xs, group_sizes, gate_up, down, axis, backend)
+    return _ring(xs, group_sizes, gate, up, down, axis, backend)
 
 
 def _pass_on(tree, axis: str):
@@ -42,10 +42,10 @@ def _pass_on(tree, axis: str):
     return jax.lax.ppermute(tree, axis, [(i, (i + 1) % size) for i in range(size)])
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
-def _ring(xs, group_sizes, gate_up, down, axis, backend):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6))
+def _ring(xs, group_sizes, gate, up, down, axis, backend):
     out = jnp.zeros((xs.shape[0], down.shape[-1]), jnp.float32)
-    held = (gate_up, down)
+    held = (gate, up, down)
     steps = jax.lax.axis_size(axis)
     for step in range(steps):  # static: D is a mesh axis size
         arriving = _pass_on(held, axis) if step < steps - 1 else None  # independent of the matmuls: overlaps
@@ -54,18 +54,18 @@ def _ring(xs, group_sizes, gate_up, down, axis, backend):
     return out
 
 
-def _ring_fwd(xs, group_sizes, gate_up, down, axis, backend):
-    return _ring(xs, group_sizes, gate_up, down, axis, backend), (xs, group_sizes, gate_up, down)
+def _ring_fwd(xs, group_sizes, gate, up, down, axis, backend):
+    return _ring(xs, group_sizes, gate, up, down, axis, backend), (xs, group_sizes, gate, up, down)
 
 
 def _ring_bwd(axis, backend, residuals, dout):
-    xs, group_sizes, gate_up, down = residuals
-    held = (gate_up, down)
+    xs, group_sizes, gate, up, down = residuals
+    held = (gate, up, down)
     grads = jax.tree.map(jnp.zeros_like, held)  # travels with the slice it belongs to
     dxs = jnp.zeros(xs.shape, jnp.float32)
     steps = jax.lax.axis_size(axis)
     for step in range(steps):
-        _, pullback = jax.vjp(lambda x, gu, d: moe_math.grouped_swiglu(x, group_sizes, gu, d, backend), xs, *held)
+        _, pullback = jax.vjp(lambda x, g, u, d: moe_math.grouped_swiglu(x, group_sizes, g, u, d, backend), xs, *held)
         dx, *dw = pullback(dout)
         dxs = dxs + dx.astype(jnp.float32)
         grads = jax.tree.map(jnp.add, grads, tuple(dw))

@@ -219,10 +219,6 @@ def check_compatible(saved: dict, current: dict, where: str) -> None:
                         f"there but {current['model'][k]!r} in this config; use the checkpoint's config "
                         "or a fresh --workdir")
     missing = sorted(set(current["state_shapes"]) ^ set(saved["state_shapes"]))
-    if any("experts/gate'" in path for path in missing):
-        raise ZayaError(f"checkpoint {where} was written before the experts' gate and up weights were fused into "
-                        "one (experts/gate_up): finish that run with the zaya-jax version that wrote it, or "
-                        "start a fresh --workdir")
     if missing:
         raise ZayaError(f"checkpoint {where} holds a different train state ({missing[0]} is in one but not the "
                         "other; an optimizer setting changed?); use the checkpoint's config or a fresh --workdir")

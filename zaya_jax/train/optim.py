@@ -32,7 +32,6 @@ class Rule:
 
 _IN1 = MatrixView(batch_axes=0, in_axes=1)
 _EXPERT = MatrixView(batch_axes=1, in_axes=1)  # [E, fan_in, fan_out]: orthogonalise per expert
-_GATE_UP = MatrixView(batch_axes=2, in_axes=1)  # [E, 2, H, I]: gate and up, each per expert
 
 PARTITION: tuple[Rule, ...] = (
     Rule("attn/wq", "muon", True, _IN1),  # [H, nq, d]
@@ -44,7 +43,8 @@ PARTITION: tuple[Rule, ...] = (
     Rule("router/fc1", "muon", True, _IN1),
     Rule("router/fc2", "muon", True, _IN1),
     Rule("router/out", "muon", True, _IN1),
-    Rule("experts/gate_up", "muon", True, _GATE_UP),
+    Rule("experts/gate", "muon", True, _EXPERT),
+    Rule("experts/up", "muon", True, _EXPERT),
     Rule("experts/down", "muon", True, _EXPERT),
     Rule("embedding", "adamw", True),
     Rule("attn/conv_depthwise", "adamw", True),
