@@ -29,7 +29,7 @@ def test_short_run_writes_metrics_tensorboard_and_model(tmp_path):
     assert result.returncode == 0, result.stderr
     assert "warmup  optim.warmup_steps (30) does not fit the 4-step schedule: warming up over 0 step(s)" in result.stdout
     assert "metrics.jsonl" in result.stdout and "tensorboard" in result.stdout
-    assert "kernels attention xla, experts xla, norm xla" in result.stdout  # CPU defaults, named in the banner
+    assert "kernels attention xla, experts tiled, norm xla" in result.stdout  # CPU defaults, named in the banner
     records = [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
     train = [r for r in records if "loss" in r]
     assert [r["step"] for r in train] == [1, 2, 4]

@@ -56,6 +56,8 @@ def test_platform_defaults_and_interpret_mode_follow_the_machine():
     assert registry.platform() == ("gpu" if on_gpu else target)
     assert registry.gpu_vendor() == (target if on_gpu else None)
     expected = dict.fromkeys(kernels.KERNELS, "pallas" if on_gpu else "xla")
+    if target == "cpu":
+        expected["grouped_matmul"] = "tiled"  # XLA's CPU ragged_dot multiplies every row by every group
     assert {k: kernels.resolve(k, None) for k in kernels.KERNELS} == expected == registry.DEFAULTS[target]
     assert kernels.resolve("attention", "auto") == expected["attention"]
     assert registry.interpret_mode(None) is (not on_gpu)
