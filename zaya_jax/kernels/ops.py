@@ -58,8 +58,7 @@ def grouped_matmul(lhs, rhs, group_sizes, *, preferred_element_type=None, backen
     if backend in ("cudnn", "hipblaslt"):  # ragged_dot too; the backend's XLA flag picks the GEMM (registry.XLA_FLAGS)
         out = xla_backends.vendor_grouped_matmul(lhs, rhs, group_sizes)
         return out.astype(preferred_element_type or lhs.dtype)
-    impl = {"reference": reference, "tiled": tiled_grouped_matmul}.get(backend, xla_backends)
-    return impl.grouped_matmul(lhs, rhs, group_sizes, preferred_element_type=preferred_element_type)
+    return _grouped_impl(backend).grouped_matmul(lhs, rhs, group_sizes, preferred_element_type=preferred_element_type)
 
 
 def grouped_matmul_transposed(lhs, dout, group_sizes, *, num_groups=None, preferred_element_type=None,
@@ -76,10 +75,13 @@ def grouped_matmul_transposed(lhs, dout, group_sizes, *, num_groups=None, prefer
         return pallas_gmm.grouped_matmul_transposed(
             lhs, dout, group_sizes, num_groups, preferred_element_type=preferred_element_type, blocks=blocks,
             interpret=interpret_mode(interpret))
-    # xla, cudnn, hipblaslt: ragged_dot_general
-    impl = {"reference": reference, "tiled": tiled_grouped_matmul}.get(backend, xla_backends)
-    return impl.grouped_matmul_transposed(lhs, dout, group_sizes, num_groups,
+    return _grouped_impl(backend).grouped_matmul_transposed(lhs, dout, group_sizes, num_groups,
                                           preferred_element_type=preferred_element_type)
+
+
+def _grouped_impl(backend: str):
+    """The module of a non-Pallas grouped matmul backend (xla, cudnn, hipblaslt: ragged_dot)."""
+    return {"reference": reference, "tiled": tiled_grouped_matmul}.get(backend, xla_backends)
 
 
 def rms_norm(x, weight, *, eps, out_dtype=None, backend=None, interpret=None, blocks=None):

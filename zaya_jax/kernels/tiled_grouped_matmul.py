@@ -21,6 +21,8 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
+from zaya_jax.kernels import reference
+
 
 class Tiles(NamedTuple):
     """Where each tile's rows come from: `rows` int32 [T, tile] (source row, clipped), `live` bool
@@ -56,9 +58,10 @@ def tiles(group_sizes: jax.Array, num_rows: int, tile: int) -> Tiles:
     local = first[:, None] + jnp.arange(tile, dtype=jnp.int32)[None, :] - padded_starts[group][:, None]
     live = (local >= 0) & (local < sizes[group][:, None])
     rows = jnp.clip(starts[group][:, None] + local, 0, num_rows - 1)
+    row_group = reference.row_groups(sizes, num_rows)  # G past the groups
+    row_live = row_group < groups
+    row_group = jnp.minimum(row_group, groups - 1)
     row = jnp.arange(num_rows, dtype=jnp.int32)
-    row_group = jnp.minimum(jnp.searchsorted(jnp.cumsum(sizes), row, side="right"), groups - 1).astype(jnp.int32)
-    row_live = row < jnp.sum(sizes)
     slot = jnp.where(row_live, padded_starts[row_group] + row - starts[row_group], 0)
     return Tiles(rows, live, group, slot, row_live)
 
