@@ -65,15 +65,32 @@ def test_pallas_blocks_are_parameters():
            blocks=AttentionBlocks(block_q=128, block_k=128, block_q_bwd=128, block_k_bwd=128))
 
 
-@pytest.mark.parametrize("doc_prob", [None, 0.2])
-def test_xla_backend_matches_reference(doc_prob):
-    _check("xla", 2, 29, 4, 2, 16, jnp.float32, doc_prob)
+@pytest.mark.parametrize("seq,nq,nk,doc_prob,dtype,causal", [
+    (29, 4, 2, None, jnp.float32, True),
+    (29, 4, 2, 0.2, jnp.float32, True),
+    (37, 8, 2, 0.05, jnp.float32, True),  # ZAYA1's GQA ratio 4
+    (20, 4, 1, 0.5, jnp.float32, True),  # MQA, ~2-token documents
+    (24, 4, 4, 0.2, jnp.float32, False),  # documents only
+    (32, 4, 2, 0.2, jnp.bfloat16, True),
+])
+def test_xla_backend_matches_reference(seq, nq, nk, doc_prob, dtype, causal):
+    # The written-out backward (xla_attention) against autodiff of the reference.
+    _check("xla", 2, seq, nq, nk, 16, dtype, doc_prob, causal=causal)
 
 
-def test_single_token_documents_attend_to_themselves():
+def test_xla_backend_takes_a_traced_offset():
+    q, k, v, segments = _inputs(1, 48, 4, 2, 16, jnp.float32, 0.2)
+    local = jax.jit(lambda o: kernels.flash_attention(
+        jax.lax.dynamic_slice_in_dim(q, o, 16, 1), k, v, backend="xla", q_offset=o, kv_segment_ids=segments,
+        segment_ids=jax.lax.dynamic_slice_in_dim(segments, o, 16, 1)))(32)
+    assert jnp.allclose(local, reference.attention(q, k, v, segments)[:, 32:], atol=1e-5)
+
+
+@pytest.mark.parametrize("backend", ["pallas", "xla"])
+def test_single_token_documents_attend_to_themselves(backend):
     q, k, v, _ = _inputs(1, 20, 2, 1, 16, jnp.float32)
     segments = jnp.arange(20, dtype=jnp.int32)[None]
-    out = kernels.flash_attention(q, k, v, segment_ids=segments, backend="pallas")
+    out = kernels.flash_attention(q, k, v, segment_ids=segments, backend=backend)
     assert jnp.allclose(out, jnp.repeat(v, 2, axis=2), atol=1e-6)
 
 

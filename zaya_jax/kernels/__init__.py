@@ -3,7 +3,8 @@
 `ops` holds the entry points, `registry` the backend names, the kernel target (`targeting`) and
 its defaults, `tuning` the block sizes, `resources` their shared memory against each device,
 `gpu_lowering` the Pallas → Triton check for CUDA/ROCm on any machine, `reference` the plain-jnp
-semantics, `xla_backends` the XLA/cuDNN forms, and one `pallas_*` module per Pallas kernel.
+semantics, `xla_attention` the `xla` attention, `xla_backends` the other XLA and vendor forms,
+and one `pallas_*` module per Pallas kernel.
 Pallas kernels are imported only when selected.
 """
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
-from zaya_jax.kernels import reference, tiled_grouped_matmul, xla_backends
+from zaya_jax.kernels import reference, tiled_grouped_matmul, xla_attention, xla_backends
 from zaya_jax.kernels.registry import interpret_mode, resolve
 
 
@@ -41,8 +41,11 @@ def flash_attention(q, k, v, *, segment_ids=None, causal=True, scale=None, backe
     if backend == "reference":
         return reference.attention(q, k, v, segment_ids, causal=causal, scale=scale, kv_segment_ids=kv_segment_ids,
                                    q_offset=0 if q_offset is None else q_offset)
-    return xla_backends.attention(q, k, v, segment_ids, causal=causal, scale=scale, implementation=backend,
-                                  kv_segment_ids=kv_segment_ids, q_offset=q_offset)
+    if backend == "xla":
+        return xla_attention.attention(q, k, v, segment_ids, causal=causal, scale=scale,
+                                       kv_segment_ids=kv_segment_ids, q_offset=q_offset)
+    return xla_backends.cudnn_attention(q, k, v, segment_ids, causal=causal, scale=scale,
+                                        kv_segment_ids=kv_segment_ids, q_offset=q_offset)
 
 
 def grouped_matmul(lhs, rhs, group_sizes, *, preferred_element_type=None, backend=None, interpret=None,

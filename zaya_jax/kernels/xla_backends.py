@@ -1,7 +1,7 @@
 """The `xla` and vendor backends: the kernels expressed through XLA's own primitives.
 
-Attention goes through `jax.nn.dot_product_attention` (`implementation='xla'`, or `'cudnn'`
-on NVIDIA, which takes no segment ids); the grouped matmul through `jax.lax.ragged_dot` /
+Attention's `cudnn` backend goes through `jax.nn.dot_product_attention` (NVIDIA; no segment ids;
+the `xla` attention is `xla_attention`, with a written-out backward); the grouped matmul through `jax.lax.ragged_dot` /
 `ragged_dot_general`, whose transposes XLA derives, for the `xla`, `cudnn` and `hipblaslt`
 backends alike (an XLA flag, `registry.XLA_FLAGS`, decides which GEMM XLA emits for them).
 RMSNorm has no separate XLA primitive: XLA fuses the reference expression, so the `xla` backend
@@ -17,25 +17,16 @@ from zaya_jax.errors import ZayaError
 from zaya_jax.kernels import reference
 
 
-def attention(q, k, v, segment_ids=None, *, causal=True, scale=None, implementation="xla", kv_segment_ids=None,
-              q_offset=None):
-    """`reference.attention` through `jax.nn.dot_product_attention`."""
+def cudnn_attention(q, k, v, segment_ids=None, *, causal=True, scale=None, kv_segment_ids=None, q_offset=None):
+    """`reference.attention` through `jax.nn.dot_product_attention(implementation='cudnn')`: whole,
+    unpacked sequences only."""
     if q_offset is not None or kv_segment_ids is not None:
-        # Queries offset against a longer key sequence: the causal part joins the dense mask.
-        if implementation == "cudnn":
-            raise ZayaError("the cudnn attention backend takes no query offset (sequence-sharded queries); "
-                            "use the pallas or xla attention backend with mesh.tsp or mesh.sequence > 1")
-        mask = reference.attention_mask(q.shape[0], q.shape[1], k.shape[1], segment_ids, kv_segment_ids,
-                                        causal, 0 if q_offset is None else q_offset)
-        return jax.nn.dot_product_attention(q, k, v, mask=mask[:, None], scale=scale, implementation=implementation)
-    mask = None
+        raise ZayaError("the cudnn attention backend takes no query offset (sequence-sharded queries); "
+                        "use the pallas or xla attention backend with mesh.tsp or mesh.sequence > 1")
     if segment_ids is not None:
-        if implementation == "cudnn":
-            raise ZayaError("the cudnn attention backend has no packed-document (segment_ids) mask here; "
-                            "use the 'pallas' backend for packed sequences")
-        mask = (segment_ids[:, :, None] == segment_ids[:, None, :])[:, None]
-    return jax.nn.dot_product_attention(q, k, v, mask=mask, is_causal=causal, scale=scale,
-                                        implementation=implementation)
+        raise ZayaError("the cudnn attention backend has no packed-document (segment_ids) mask here; "
+                        "use the 'pallas' backend for packed sequences")
+    return jax.nn.dot_product_attention(q, k, v, is_causal=causal, scale=scale, implementation="cudnn")
 
 
 def grouped_matmul(lhs, rhs, group_sizes, *, preferred_element_type=None):
