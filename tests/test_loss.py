@@ -179,3 +179,43 @@ def test_the_bf16_steps_head_is_a_bf16_dot_with_an_fp32_result():
 
     assert set(head_dots("bfloat16")) == {("bf16", "f32")}
     assert set(head_dots("float32")) == {("f32", "f32")}
+
+
+@pytest.mark.parametrize("layout", [dict(tensor=8), dict(tensor=2, data=4), dict(tensor=4, tsp=2)], ids=str)
+def test_vocabulary_parallel_loss_equals_one_device(layout):
+    """`token_loss` with the table split over `tensor` (the `vocab` rule): each rank's slice, the
+    statistics combined across ranks; values and gradients equal the one-device loss."""
+    from zaya_jax.parallel.axes import MESH_AXES
+    from zaya_jax.parallel.mesh import build_mesh
+    from zaya_jax.parallel.rules import named_sharding
+    from zaya_jax.train.loss import token_loss
+
+    mesh = build_mesh({a: layout.get(a, 1) for a in MESH_AXES}, jax.devices())
+    batch, length, vocab, width, chunk = 4, 8, 48, 16, 5  # 48/8 = 6 rows per rank, in chunks of 5: padding
+    hidden, embedding, targets, cot = inputs(batch * length, vocab, width, seed=3)
+    hidden, targets, cot = hidden.reshape(batch, length, width), targets.reshape(batch, length), cot.reshape(batch, length)
+    want, want_grads = loss_and_grads(chunked_cross_entropy, cot, hidden, embedding, targets, chunk_size=chunk)
+
+    table_sharding = named_sharding(("vocab", "embed"), mesh, embedding.shape)
+    assert "tensor" in str(table_sharding.spec[0])
+    rows = named_sharding(("batch", "length"), mesh)
+    placed = (jax.device_put(hidden, NamedSharding(mesh, P(*rows.spec, None))), jax.device_put(embedding, table_sharding),
+              jax.device_put(targets, rows))
+    with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
+        got, grads = loss_and_grads(token_loss, cot, *placed, chunk_size=chunk)
+    assert_close(got, want)
+    for g, w in zip(grads, want_grads):
+        assert_close(g, w)
+
+
+def test_a_tensor_split_step_computes_each_ranks_vocabulary_slice_only():
+    """Under mesh.tensor the LM head's logits are [tokens, V/T] per device (no rank computes the
+    whole head), and the table is never gathered whole (data 4 x tensor 2: 1 x 32 tokens each)."""
+    overrides = ["--config.train.seq_len=32", "--config.train.global_batch_size=4", "--config.model.num_hidden_layers=1",
+                 "--config.mesh.data=4", "--config.mesh.tensor=2", "--config.train.loss_vocab_chunk=1000"]
+    program = build_program(load_experiment(TINY, overrides))
+    hlo = program.compile_train_step()[0].as_text()
+    vocab, hidden = program.modeldef.cfg.vocab_size, program.modeldef.cfg.hidden_size
+    widths = {int(dims.split(",")[-1]) for dims in re.findall(r"f32\[(1,32,\d+)\]", hlo)}
+    assert vocab // 2 in widths and vocab not in widths, sorted(widths)
+    assert not re.search(rf"f32\[{vocab},{hidden}\]\S* all-gather\(", hlo)

@@ -141,6 +141,20 @@ def test_flops_are_the_models_plus_recomputation():
         hw + tokens * block_forward)  # full remat runs every block's forward twice
 
 
+def test_tensor_splits_the_lm_heads_vocabulary_and_all_reduces_its_hidden_gradient_once_per_micro_batch():
+    r = run(remat="none", batch=8, seq=64, accum=2)
+    one, split = (step_time.hardware_flops(r, m, step_time.share(r, m)) for m in (mesh(), mesh(tensor=2)))
+    # Per device (tensor splits no tokens): everything but the router halves, the head's 8·V·H per token too.
+    assert inventory.vocab_split(TINY, mesh(tensor=2)) == 2 and inventory.vocab_split(TINY, mesh()) == 1
+    repeated = 2 * flops.router_params(TINY) * TINY.num_hidden_layers * 3
+    tokens = 8 * 64  # per step: 2 micro-batches of 4 x 64
+    assert one - split == pytest.approx(tokens * ((one / tokens - repeated) / 2))
+    loss = [t for t in step_time.transfers(r, mesh(tensor=2)) if "vocabulary-parallel" in t.what]
+    assert len(loss) == 1 and loss[0].calls == 2 and loss[0].nbytes == 4 * 64 * TINY.hidden_size * 4
+    chunk = min(r.vocab_chunk, TINY.vocab_size // 2)
+    assert memory.loss_bytes(r, 100, 2) == 100 * (TINY.hidden_size * 4 + 3 * chunk * 4 + 8)
+
+
 def test_step_time_and_mfu_on_one_device_are_compute_and_optimizer():
     r = run(hw=hardware.profile("cpu"), batch=8, seq=64)
     r = Run(r.cfg, r.seq_len, r.global_batch, r.grad_accum, r.remat, r.hw, 1, 1, r.vocab_chunk)

@@ -99,6 +99,13 @@ def shard_count(group: ParamGroup, sizes: dict[str, int]) -> int:
     return math.prod(sizes[a] for a in sharded_axes(group, sizes))
 
 
+def vocab_split(cfg: ModelConfig, sizes: dict[str, int]) -> int:
+    """How many ways the LM head's vocabulary is split (the `vocab` rule: `tensor`, when it divides
+    the table; the loss then runs vocabulary-parallel, `train/loss.py`)."""
+    table = next(g for g in param_groups(cfg) if g.part == "embedding")
+    return sizes["tensor"] if "tensor" in sharded_axes(table, sizes) else 1
+
+
 def local_bytes(group: ParamGroup, sizes: dict[str, int], gathered: tuple[str, ...] = ()) -> float:
     """fp32 bytes of one of the group's parameters on a device, after gathering the named axes."""
     sharded = sharded_axes(group, sizes)

@@ -115,8 +115,10 @@ def moe_saved_bytes(run: Run, s: Share) -> float:
     return s.dispatch * (cfg.hidden_size * run.compute_bytes + (2 * s.expert_width + cfg.hidden_size) * F32)
 
 
-def loss_bytes(run: Run, tokens: float) -> float:
-    chunk = min(run.vocab_chunk, run.cfg.vocab_size)
+def loss_bytes(run: Run, tokens: float, vocab_split: int = 1) -> float:
+    """The chunked loss's working set: fp32 hidden states, a few [tokens, chunk] logit buffers
+    (a chunk of this device's slice of the vocabulary) and the per-token statistics."""
+    chunk = min(run.vocab_chunk, run.cfg.vocab_size // vocab_split)
     return tokens * (run.cfg.hidden_size * F32 + 3 * chunk * F32 + 2 * F32)
 
 
@@ -170,7 +172,7 @@ def predict(run: Run, sizes: dict[str, int]) -> Memory:
         "stored_activations": s.tokens * stored_per_token(run, s),
         "stored_gathered": run.cfg.num_hidden_layers * gathered_per_layer(run, sizes, s) if run.remat == "none" else 0.0,
         "block_working_set": 2 * s.tokens * block_bytes_per_token(run, s),
-        "loss": loss_bytes(run, s.tokens),
+        "loss": loss_bytes(run, s.tokens, inventory.vocab_split(run.cfg, sizes)),
         **schedule_bytes(run, sizes, s),
         "optimizer_temporaries": muon_temporaries(run, sizes),
         "inputs": BATCH_FIELDS * 4 * run.grad_accum * s.tokens,  # [A, b, S], split like the tokens

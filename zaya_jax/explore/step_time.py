@@ -1,7 +1,8 @@
 """Predicted step time of a layout: compute over a derated peak, plus each axis's collectives.
 
-Compute: the device's hardware FLOPs (the model's training FLOPs for its tokens, the parts a
-`tensor` group repeats on every member — router, LM head — counted on each, plus the
+Compute: the device's hardware FLOPs (the model's training FLOPs for its tokens, the part a
+`tensor` group repeats on every member — the router — counted on each, the LM head split over
+its vocabulary (`vocab` rule), plus the
 recomputation the remat policy adds: a block forward under `full`, the attention core under
 `dots`, a block forward but its experts' matmuls under `moe`, and the chunked loss's logits always) over `peak × compute_efficiency`.
 
@@ -61,7 +62,7 @@ def hardware_flops(run: Run, sizes: dict[str, int], s: Share) -> float:
     cfg, t = run.cfg, sizes["tensor"]
     split = (flops.attention_projection_params(cfg) + flops.cca_conv_params(cfg) + flops.expert_params(cfg)) / t
     repeated = flops.router_params(cfg)
-    head = cfg.vocab_size * cfg.hidden_size
+    head = cfg.vocab_size * cfg.hidden_size / inventory.vocab_split(cfg, sizes)
     core = flops.attention_flops_per_token(cfg, run.seq_len) / 3 / t  # forward of the attention core
     block_fwd = cfg.num_hidden_layers * 2 * (split + repeated) + core
     per_token = 3 * block_fwd + 6 * head + 2 * head  # the loss backward recomputes each chunk's logits
@@ -89,6 +90,9 @@ def transfers(run: Run, sizes: dict[str, int]) -> list[Transfer]:
     if sizes["tensor"] > 1:
         out.append(Transfer("tensor", "all_reduce", s.tokens * cfg.hidden_size * F32, a * layers * 2 * passes, False,
                             "attention and expert outputs, their input gradients", where["tensor"]))
+        if inventory.vocab_split(cfg, sizes) > 1:
+            out.append(Transfer("tensor", "all_reduce", s.tokens * cfg.hidden_size * F32, a, False,
+                                "the vocabulary-parallel loss's hidden-state gradient", where["tensor"]))
     kv = 2 * s.kv_heads * cfg.head_dim * b  # K and V bytes per token
     for axis in SEQUENCE_AXES:
         n = sizes[axis]

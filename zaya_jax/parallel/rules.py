@@ -7,7 +7,8 @@ in the table is replicated. Mesh axes of size 1 are dropped, so one table serves
 - data / fsdp / expert: each device reads its own sequences; fsdp shards the hidden dimension
   of every weight (ZeRO-3), expert owns E / expert experts.
 - tensor (Megatron): query/KV heads and the experts' width are split; attention keeps whole
-  KV groups per device.
+  KV groups per device; the tied embedding / LM head is split on its vocabulary, and the loss
+  runs vocabulary-parallel (`train/loss.py`).
 - tsp (folded tensor + sequence): the sequence is split, and every weight is stored 1/D —
   attention matrices on their hidden dimension (a bucket is all-gathered when used), the
   experts on their width (slices circulate in a ring).
@@ -30,6 +31,7 @@ RULES: dict[str, tuple[str, ...]] = {
     "experts": ("expert",),
     "mlp": ("tensor", "tsp"),
     "heads": ("tensor",),
+    "vocab": ("tensor",),
     "kv_heads": ("tensor",),
     "head_dim_out": ("tsp",),
     "embed": ("fsdp", "tsp"),

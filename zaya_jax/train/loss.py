@@ -7,6 +7,13 @@ per-token loss one vocabulary chunk at a time instead: the forward keeps an onli
 (running max and running sum-exp) per token, and a `jax.custom_vjp` backward recomputes each
 chunk's logits from `hidden`, the table and the saved logsumexp. Peak extra memory is
 O(tokens × chunk_size) rather than O(tokens × vocab).
+
+**Vocabulary-parallel** (Megatron's): when the `vocab` rule splits the table over the mesh's
+`tensor` axis (`parallel/rules.py`), every tensor rank holds V/T rows and sees the same tokens,
+so `token_loss` runs the chunked loop per rank on its slice and combines the per-token
+statistics across ranks: the max by `pmax`, the rescaled sum of exponentials and the target's
+logit by `psum`; the backward rebuilds each rank's slice of the softmax from the shared lse and
+sums the hidden-state gradient over the ranks. No rank computes, or holds, the whole head.
 """
 
 from __future__ import annotations
@@ -15,6 +22,12 @@ import functools
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
+
+from zaya_jax.parallel.batch_map import axis_size, layout_map, row_spec
+from zaya_jax.parallel.rules import entry_axes, partition_spec
+
+VOCAB_AXIS = "tensor"  # the mesh axis the `vocab` rule splits the table over
 
 
 def reference_cross_entropy(hidden: jax.Array, embedding: jax.Array, targets: jax.Array) -> jax.Array:
@@ -23,6 +36,52 @@ def reference_cross_entropy(hidden: jax.Array, embedding: jax.Array, targets: ja
                         preferred_element_type=jnp.float32)
     picked = jnp.take_along_axis(logits, targets.astype(jnp.int32)[..., None], axis=-1)[..., 0]
     return jax.nn.logsumexp(logits, axis=-1) - picked
+
+
+def token_loss(hidden: jax.Array, embedding: jax.Array, targets: jax.Array, *, chunk_size: int = 16384,
+               matmul_dtype=jnp.float32) -> jax.Array:
+    """`chunked_cross_entropy` over the ambient mesh: vocabulary-parallel over `tensor` when the
+    rules split the table there, else as GSPMD places it. hidden [B, S, H], targets [B, S]."""
+    mesh = jax.sharding.get_abstract_mesh()
+    split = not mesh.empty and VOCAB_AXIS in entry_axes(partition_spec(("vocab", "embed"), mesh, embedding.shape)[0])
+    if not split or axis_size(VOCAB_AXIS) == 1:
+        return chunked_cross_entropy(hidden, embedding, targets, chunk_size=chunk_size, matmul_dtype=matmul_dtype)
+    chunk = min(int(chunk_size), embedding.shape[0] // axis_size(VOCAB_AXIS))
+    return _vocab_parallel_ce(chunk, jnp.dtype(matmul_dtype), hidden, embedding, targets.astype(jnp.int32))
+
+
+# The vocabulary-parallel loss differentiates itself: its forward and backward are each one
+# shard_map with every collective written out, so no autodiff convention for shard_map's
+# replicated values (which moved between JAX versions) decides a gradient's scale.
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def _vocab_parallel_ce(chunk, dtype, hidden, embedding, targets):
+    return _vocab_parallel_fwd(chunk, dtype, hidden, embedding, targets)[0]
+
+
+def _vocab_parallel_fwd(chunk, dtype, hidden, embedding, targets):
+    rows = row_spec()
+    forward = functools.partial(_forward, chunk, dtype, VOCAB_AXIS)
+    loss, lse = layout_map(forward, in_specs=(P(*rows, None), P(VOCAB_AXIS, None), rows), out_specs=(rows, rows),
+                           check_vma=False)(hidden, embedding, targets)
+    return loss, (hidden, embedding, targets, lse)
+
+
+def _vocab_parallel_bwd(chunk, dtype, residuals, g):
+    rows = row_spec()
+    token_axes = tuple(a for entry in rows for a in entry_axes(entry))
+
+    def backward(hidden, embedding, targets, lse, g):
+        d_hidden, d_embedding, _ = _bwd(chunk, dtype, VOCAB_AXIS, (hidden, embedding, targets, lse), g)
+        # This rank's slice of the table gradient, summed over the tokens of every rank holding it.
+        return d_hidden, jax.lax.psum(d_embedding, token_axes) if token_axes else d_embedding
+
+    d_hidden, d_embedding = layout_map(backward, in_specs=(P(*rows, None), P(VOCAB_AXIS, None), rows, rows, rows),
+                                       out_specs=(P(*rows, None), P(VOCAB_AXIS, None)),
+                                       check_vma=False)(*residuals, g)
+    return d_hidden, d_embedding, None
+
+
+_vocab_parallel_ce.defvjp(_vocab_parallel_fwd, _vocab_parallel_bwd)
 
 
 def chunked_cross_entropy(hidden: jax.Array, embedding: jax.Array, targets: jax.Array, *,
@@ -41,7 +100,12 @@ def chunked_cross_entropy(hidden: jax.Array, embedding: jax.Array, targets: jax.
     if chunk_size <= 0:
         raise ValueError(f"chunk_size must be positive, got {chunk_size}")
     chunk = min(int(chunk_size), embedding.shape[0])
-    return _chunked_ce(chunk, jnp.dtype(matmul_dtype), hidden, embedding, targets.astype(jnp.int32))
+    return _chunked_ce(chunk, jnp.dtype(matmul_dtype), None, hidden, embedding, targets.astype(jnp.int32))
+
+
+def _first_row(embedding: jax.Array, axis: str | None):
+    """The table row this rank's slice starts at (0 without a vocabulary axis: the whole table)."""
+    return 0 if axis is None else jax.lax.axis_index(axis) * embedding.shape[0]
 
 
 def _chunked_table(embedding: jax.Array, chunk: int) -> jax.Array:
@@ -64,15 +128,17 @@ def _chunk_logits(h: jax.Array, table_chunk: jax.Array, offset: jax.Array, vocab
     return logits, valid
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
-def _chunked_ce(chunk: int, dtype, hidden: jax.Array, embedding: jax.Array, targets: jax.Array) -> jax.Array:
-    return _forward(chunk, dtype, hidden, embedding, targets)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
+def _chunked_ce(chunk: int, dtype, axis, hidden: jax.Array, embedding: jax.Array, targets: jax.Array) -> jax.Array:
+    return _forward(chunk, dtype, axis, hidden, embedding, targets)[0]
 
 
 @jax.named_scope("loss")  # inside: a custom_vjp's rules do not see their caller's scope
-def _forward(chunk, dtype, hidden, embedding, targets):
-    """Returns (loss, lse): one pass over the chunks with an online logsumexp."""
+def _forward(chunk, dtype, axis, hidden, embedding, targets):
+    """Returns (loss, lse): one pass over the chunks with an online logsumexp, then (vocabulary-
+    parallel) the ranks' statistics combined."""
     vocab = embedding.shape[0]
+    first = _first_row(embedding, axis)
     h = hidden.astype(dtype)
     chunks = _chunked_table(embedding, chunk)
     tokens = h.shape[:-1]
@@ -82,12 +148,14 @@ def _forward(chunk, dtype, hidden, embedding, targets):
         table_chunk, offset = xs
         logits, valid = _chunk_logits(h, table_chunk, offset, vocab)
         logits = jnp.where(valid, logits, -jnp.inf)
+        offset = offset + first
         # Every chunk holds at least one real column, so new_max is finite and the rescale of
         # the previous sum (exp(-inf) = 0 on the first chunk) never produces NaN.
         new_max = jnp.maximum(run_max, logits.max(axis=-1))
         run_sum = run_sum * jnp.exp(run_max - new_max) + jnp.exp(logits - new_max[..., None]).sum(axis=-1)
         local = targets - offset
-        here = (local >= 0) & (local < chunk)
+        # A padding column of this slice may carry the index of the next slice's row: not ours.
+        here = (local >= 0) & (local < chunk) & (targets - first < vocab)
         picked = jnp.take_along_axis(logits, jnp.clip(local, 0, chunk - 1)[..., None], axis=-1)[..., 0]
         target_logit = target_logit + jnp.where(here, picked, 0.0)
         return (new_max, run_sum, target_logit), None
@@ -95,20 +163,27 @@ def _forward(chunk, dtype, hidden, embedding, targets):
     init = (jnp.full(tokens, -jnp.inf, jnp.float32), jnp.zeros(tokens, jnp.float32), jnp.zeros(tokens, jnp.float32))
     offsets = jnp.arange(chunks.shape[0], dtype=jnp.int32) * chunk
     (run_max, run_sum, target_logit), _ = jax.lax.scan(step, init, (chunks, offsets))
+    if axis is not None:
+        # Every rank's slice holds real columns, so each run_max is finite and so is the shared max.
+        shared = jax.lax.pmax(run_max, axis)
+        run_sum = jax.lax.psum(run_sum * jnp.exp(run_max - shared), axis)
+        run_max, target_logit = shared, jax.lax.psum(target_logit, axis)
     lse = run_max + jnp.log(run_sum)
     return lse - target_logit, lse
 
 
-def _fwd(chunk, dtype, hidden, embedding, targets):
-    loss, lse = _forward(chunk, dtype, hidden, embedding, targets)
+def _fwd(chunk, dtype, axis, hidden, embedding, targets):
+    loss, lse = _forward(chunk, dtype, axis, hidden, embedding, targets)
     return loss, (hidden, embedding, targets, lse)
 
 
 @jax.named_scope("loss")
-def _bwd(chunk, dtype, residuals, g):
-    """dloss/dlogits = g · (softmax - onehot(target)), rebuilt chunk by chunk from the saved lse."""
+def _bwd(chunk, dtype, axis, residuals, g):
+    """dloss/dlogits = g · (softmax - onehot(target)), rebuilt chunk by chunk from the saved lse;
+    vocabulary-parallel, each rank its slice, the hidden-state gradient summed over the ranks."""
     hidden, embedding, targets, lse = residuals
     vocab = embedding.shape[0]
+    first = _first_row(embedding, axis)
     h = hidden.astype(dtype)
     g = g.astype(jnp.float32)
     chunks = _chunked_table(embedding, chunk)
@@ -117,7 +192,7 @@ def _bwd(chunk, dtype, residuals, g):
         table_chunk, offset = xs
         logits, valid = _chunk_logits(h, table_chunk, offset, vocab)
         probs = jnp.where(valid, jnp.exp(logits - lse[..., None]), 0.0)
-        onehot = offset + jnp.arange(chunk) == targets[..., None]
+        onehot = (first + offset + jnp.arange(chunk) == targets[..., None]) & valid
         dlogits = ((probs - onehot.astype(jnp.float32)) * g[..., None]).astype(dtype)
         d_hidden = d_hidden + jnp.einsum("...c,ch->...h", dlogits, table_chunk.astype(dtype),
                                          preferred_element_type=jnp.float32)
@@ -127,6 +202,8 @@ def _bwd(chunk, dtype, residuals, g):
 
     offsets = jnp.arange(chunks.shape[0], dtype=jnp.int32) * chunk
     d_hidden, d_chunks = jax.lax.scan(step, jnp.zeros(h.shape, jnp.float32), (chunks, offsets))
+    if axis is not None:
+        d_hidden = jax.lax.psum(d_hidden, axis)
     d_embedding = d_chunks.reshape(-1, embedding.shape[1])[:vocab]
     return d_hidden.astype(hidden.dtype), d_embedding, None
 

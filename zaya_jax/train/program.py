@@ -34,6 +34,7 @@ from zaya_jax.parallel.replicas import reduce_once
 from zaya_jax.parallel.rules import data_split_dim, named_sharding, split_over_data
 from zaya_jax.train import bad_steps, balancing
 from zaya_jax.train.model_state import ModelDef, init_arrays, model_def
+from zaya_jax.train.loss import token_loss
 from zaya_jax.train.optim import build_optimizer
 from zaya_jax.train.step import (BATCH_KEYS, StepConfig, TrainState, init_state, make_eval_step,
                                  make_train_step)
@@ -58,6 +59,7 @@ class Program:
         # The mesh's schedules run the layers; they look at which axes are split when traced.
         self.step_cfg = StepConfig(remat=c.train.remat, scan_layers=c.train.scan_layers,
                                    scan_unroll=c.train.scan_unroll, vocab_chunk=c.train.loss_vocab_chunk, layout=MESH,
+                                   loss=token_loss,
                                    guard=bad_steps.GuardSettings.from_config(c.fault),
                                    reduction=self._reduction())
         self._rows: dict[int, list[int]] = {}  # local_rows by batch size: asked every step

@@ -48,6 +48,9 @@ class StepConfig:
     scan_unroll: int = 1  # blocks per scan iteration (XLA compiles that many copies)
     vocab_chunk: int = 16384
     layout: Layout = LOCAL  # how the layers run over the program's devices (the program picks it)
+    # The per-token loss (hidden, table, targets): one device's, or the program's `loss.token_loss`
+    # (vocabulary-parallel where its mesh splits the table).
+    loss: Callable = chunked_cross_entropy
     # Wraps the micro-batch loop so gradients are reduced once per step (the program hands it
     # `parallel.replicas.reduce_once`); None: the loop alone, GSPMD reducing inside it.
     reduction: Callable | None = None
@@ -61,8 +64,8 @@ def batch_sums(modeldef: ModelDef, params, biases, batch, cfg: StepConfig):
                                           remat=cfg.remat, layout=cfg.layout, scan=cfg.scan_layers,
                                           unroll=cfg.scan_unroll)
     # [B, S] kept apart: flattening a sequence-split batch would gather it (train/loss.py).
-    per_token = chunked_cross_entropy(hidden, params["embedding"], batch["targets"], chunk_size=cfg.vocab_chunk,
-                                      matmul_dtype=modeldef.cfg.compute_dtype)
+    per_token = cfg.loss(hidden, params["embedding"], batch["targets"], chunk_size=cfg.vocab_chunk,
+                         matmul_dtype=modeldef.cfg.compute_dtype)
     mask = batch["loss_mask"].astype(jnp.float32)
     valid = batch["segment_ids"] > 0
     counts = balancing.expert_counts(choices, valid, modeldef.cfg.num_experts)
