@@ -3,7 +3,9 @@
 At the `tiny_cpu` shapes (16 x 128 tokens, the same model), in one process on this machine:
 
 - **eager PyTorch**: `ZayaForCausalLM` built from our config (`config.to_hf_dict`), trained with
-  `torch.optim.AdamW` (loss, backward, step), and its forward + backward alone;
+  `torch.optim.AdamW` (loss, backward, step); the same with our optimizer written in eager torch
+  (`EagerMuon` on the weights our optimizer gives Muon, AdamW on the rest), the like-for-like
+  row; and its forward + backward alone;
 - **our step**: the jitted train step `zaya train` runs (Muon + AdamW, bias balancer, bad-step
   guard), and its forward + backward alone (`accumulate_gradients`), so the optimizers'
   share of each side shows;
@@ -39,8 +41,57 @@ def _timed(run_steps, steps: int, tokens: int) -> float:
     return steps * tokens / (time.perf_counter() - start)
 
 
+# HF names of the weights our optimizer (`train/optim.PARTITION`) gives Muon; the rest get AdamW.
+MUON_SUFFIXES = ("q_proj.weight", "k_proj.weight", "v_proj_current.weight", "v_proj_delayed.weight",
+                 "o_proj.weight", "gate.down_proj.weight", "fc1.weight", "fc2.weight", "out_proj.weight",
+                 "experts.gate_up_proj", "experts.down_proj")
+
+
+class EagerMuon:
+    """Our Muon (`train/muon.py`) in eager PyTorch, for the like-for-like row: momentum with
+    Nesterov, quintic Newton–Schulz on each matrix (gate and up apart, as ours), the update scaled
+    to RMS `muon_rms`, decoupled weight decay, at the peak learning rate."""
+
+    def __init__(self, named_params, c):
+        import torch
+
+        self.params = [(name, p) for name, p in named_params]
+        self.momentum = [torch.zeros_like(p) for _, p in self.params]
+        self.c = c
+
+    def step(self):
+        import torch
+
+        c = self.c
+        with torch.no_grad():
+            for (name, p), buf in zip(self.params, self.momentum):
+                buf.mul_(c.muon_momentum).add_(p.grad, alpha=1 - c.muon_momentum)
+                d = p.grad * (1 - c.muon_momentum) + buf * c.muon_momentum if c.muon_nesterov else buf
+                mats = d.unflatten(-2, (2, -1)) if name.endswith("gate_up_proj") else d  # [E, 2, I, H]
+                scale = c.muon_rms * max(mats.shape[-2], mats.shape[-1]) ** 0.5
+                update = _newton_schulz(mats, c.muon_ns_steps).reshape(p.shape) * scale
+                p.add_(update + c.weight_decay * p, alpha=-c.lr)
+
+
+def _newton_schulz(g, steps: int):
+    """`train/muon.newton_schulz` in torch (same coefficients, same normalisation)."""
+    import torch
+
+    from zaya_jax.train.muon import NS_COEFFICIENTS
+
+    a, b, c = NS_COEFFICIENTS
+    wide = g.shape[-2] <= g.shape[-1]
+    x = g if wide else g.mT
+    x = x / (torch.linalg.matrix_norm(x, keepdim=True) + 1e-7)
+    for _ in range(steps):
+        gram = x @ x.mT
+        x = a * x + (b * gram + c * gram @ gram) @ x
+    return x if wide else x.mT
+
+
 def torch_runners(exp, batch):
-    """(full step, forward + backward) closures over an HF model trained with AdamW."""
+    """(AdamW step, Muon + AdamW step, forward + backward) closures over an HF model, and its
+    attention implementation."""
     import torch
     from transformers import ZayaConfig, ZayaForCausalLM
 
@@ -50,30 +101,41 @@ def torch_runners(exp, batch):
     hf = {k: v for k, v in to_hf_dict(exp.model).items() if k not in ("architectures", "model_type")}
     model = ZayaForCausalLM(ZayaConfig(**hf)).train()
     c = exp.config.optim
-    opt = torch.optim.AdamW(model.parameters(), lr=c.lr, betas=(c.b1, c.b2), eps=c.eps, weight_decay=c.weight_decay)
+
+    def adamw(params):
+        return torch.optim.AdamW(params, lr=c.lr, betas=(c.b1, c.b2), eps=c.eps, weight_decay=c.weight_decay)
+
+    named = list(model.named_parameters())
+    muon = [(n, p) for n, p in named if n.endswith(MUON_SUFFIXES)]
+    muon_names = {n for n, _ in muon}
+    optimizers = {"adamw": [adamw(model.parameters())],
+                  "muon": [EagerMuon(muon, c), adamw([p for n, p in named if n not in muon_names])]}
     ids = torch.from_numpy(batch["inputs"]).long()
     labels = torch.from_numpy(batch["targets"]).long()
 
     def grads():
-        opt.zero_grad(set_to_none=True)
+        model.zero_grad(set_to_none=True)
         logits = model(input_ids=ids).logits
         loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), labels.flatten())
         loss.backward()
         return loss
 
-    def full(steps):
-        for _ in range(steps):
-            loss = grads()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), c.clip_norm)
-            opt.step()
-        loss.item()
+    def full(which):
+        def run(steps):
+            for _ in range(steps):
+                loss = grads()
+                torch.nn.utils.clip_grad_norm_(model.parameters(), c.clip_norm)
+                for opt in optimizers[which]:
+                    opt.step()
+            loss.item()
+        return run
 
     def forward_backward(steps):
         for _ in range(steps):
             loss = grads()
         loss.item()
 
-    return full, forward_backward, model.config._attn_implementation
+    return full("adamw"), full("muon"), forward_backward, model.config._attn_implementation
 
 
 def jax_runners(exp, batch):
@@ -150,9 +212,10 @@ def main(argv=None) -> int:
     exp = load_experiment(CONFIG, [])
     batch = batch_for(exp)
     tokens = batch["inputs"].size
-    t_full, t_fb, attn = torch_runners(exp, batch)
+    t_adamw, t_muon, t_fb, attn = torch_runners(exp, batch)
     j_full, j_fb = jax_runners(exp, batch)
-    runners = {"eager PyTorch: AdamW step": t_full, "eager PyTorch: forward + backward": t_fb,
+    runners = {"eager PyTorch: AdamW step": t_adamw, "eager PyTorch: Muon + AdamW step": t_muon,
+               "eager PyTorch: forward + backward": t_fb,
                "zaya-jax: train step (Muon + AdamW)": j_full, "zaya-jax: forward + backward": j_fb}
     for run in runners.values():  # compile / warm up
         run(3)

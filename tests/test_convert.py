@@ -66,6 +66,18 @@ def test_round_trip_is_bit_identical_and_loads_in_transformers(hf_dir, converted
     assert np.abs(ours - ref).max() <= 1e-4 * np.abs(ref).max()
 
 
+def test_hf_fused_gate_up_holds_our_gate_then_up_bit_for_bit(hf_dir, converted):
+    from zaya_jax.checkpoint import orbax_store
+    from zaya_jax.model.state import expected_shapes
+
+    keys = ["layers/1/moe/experts/gate", "layers/1/moe/experts/up"]
+    gate, up = (orbax_store.load_arrays(converted, keys, expected_shapes(CFG))[k] for k in keys)  # [E, H, I]
+    hf = read_dir(hf_dir[0])["model.layers.1.mlp.experts.gate_up_proj"]  # [E, 2I, H], gate rows first
+    inter = CFG.moe_intermediate_size
+    assert np.array_equal(gate, hf[:, :inter].transpose(0, 2, 1))
+    assert np.array_equal(up, hf[:, inter:].transpose(0, 2, 1))
+
+
 def test_bfloat16_export(converted, tmp_path):
     out = str(tmp_path / "bf16")
     assert main(["convert", "to-hf", f"--ckpt={converted}", f"--out={out}", "--dtype=bfloat16", "--quiet"]) == 0

@@ -90,9 +90,10 @@ def expected_calls(program, mesh: dict) -> dict:
     """The Triton calls of one train step, from the model, layout and remat ('none' or 'full').
 
     Per traced block (one when the layers are scanned, each layer when unrolled): the attention kernels run once per KV-group bucket (TSP gathers one group at a time)
-    and per sequence chunk (one static causal-offset branch each); three norms; three grouped
-    matmuls forward and three input-gradient ones backward, plus three weight-gradient ones. The
-    TSP ring runs each step's matmuls once per slice, and its backward recomputes gate and up. Full
+    and per sequence chunk (one static causal-offset branch each); three norms; two grouped
+    matmuls forward (the fused gate/up, down) and two input-gradient ones backward, plus two
+    weight-gradient ones. The TSP ring runs each step's matmuls once per slice, and its backward
+    recomputes the gate/up one. Full
     remat runs every block's forward kernels a second time in the backward.
     """
     model, step = program.exp.model, program.step_cfg
@@ -101,11 +102,11 @@ def expected_calls(program, mesh: dict) -> dict:
     chunks = tsp * mesh.get("sequence", 1)
     again = 2 if step.remat == "full" else 1
     attention = layers * (model.num_key_value_heads if tsp > 1 else 1) * chunks
-    forward_gmm, backward_gmm = (3 * tsp, 5 * tsp) if tsp > 1 else (3, 3)
+    forward_gmm, backward_gmm = (2 * tsp, 3 * tsp) if tsp > 1 else (2, 2)
     return {
         "zaya_forward_kernel": attention * again, "zaya_dq_kernel": attention, "zaya_dkv_kernel": attention,
         "zaya_grouped_matmul": layers * (forward_gmm * again + backward_gmm),
-        "zaya_grouped_matmul_transposed": layers * 3 * tsp,
+        "zaya_grouped_matmul_transposed": layers * 2 * tsp,
         "zaya_rms_norm_fwd": 3 * layers * again + 1, "zaya_rms_norm_bwd": 3 * layers + 1,
     }
 

@@ -1,7 +1,9 @@
 """Top-1 SwiGLU experts and the MoE layer (router + experts).
 
 Tokens are sorted by their chosen expert, run through `zaya_jax.kernels.grouped_matmul` (the
-`model.moe_kernel` backend), then unsorted: each expert computes only its own tokens. Skip-class
+`model.moe_kernel` backend), then unsorted: each expert computes only its own tokens. Gate and up
+run as one grouped matmul against the two weights side by side ([E, H, 2·I]), then down: two
+grouped matmuls each way, not three. Skip-class
 tokens sort to the end, past every group, where the grouped matmul outputs zero. On a mesh with
 expert, TSP or tensor parallelism the `Layout` the program hands the model runs the same math
 per device in the schedule of `parallel/experts_layout.py`.
@@ -57,13 +59,19 @@ def by_expert(x, expert, weight, num_experts: int, experts_fn):
 
 def grouped_swiglu(xs, sizes, gate, up, down, backend):
     """down(silu(gate xs) ⊙ up xs) per expert group of the sorted rows xs, fp32 [T, H]; rows past
-    the groups are 0. Also the per-slice step of the TSP experts ring (any slice of the width)."""
+    the groups are 0. gate, up [E, H, I], down [E, I, H]: also the per-slice step of the TSP experts
+    ring (any slice of the width)."""
 
     def matmul(rows, w, name):  # named for the `moe` remat policy (model/remat.py)
         out = kernels.grouped_matmul(rows, w, sizes, preferred_element_type=jnp.float32, backend=backend)
         return checkpoint_name(out, name)
 
-    hidden = (jax.nn.silu(matmul(xs, gate, "moe_gate")) * matmul(xs, up, "moe_up")).astype(xs.dtype)
+    # One grouped matmul for gate and up: this device's slices side by side, [E, H, 2·I]. Concatenated
+    # here, where each device holds matching gate and up columns (tensor, TSP), not in the stored weight,
+    # so Muon keeps orthogonalising gate and up as the separate matrices they are.
+    fused = jnp.concatenate([gate, up], axis=-1)
+    gate_out, up_out = jnp.split(matmul(xs, fused, "moe_gate_up"), 2, axis=-1)
+    hidden = (jax.nn.silu(gate_out) * up_out).astype(xs.dtype)
     return matmul(hidden, down, "moe_down")
 
 

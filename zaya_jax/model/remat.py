@@ -19,7 +19,7 @@ from typing import Callable
 
 import jax
 
-MOE_SAVED = ("moe_dispatch", "moe_gate", "moe_up", "moe_down")
+MOE_SAVED = ("moe_dispatch", "moe_gate_up", "moe_down")
 
 REMAT_POLICIES = {
     "none": None,
