@@ -44,3 +44,17 @@ def test_bad_start_up_settings_are_one_line_and_exit_2(capsys, monkeypatch, tmp_
     assert main(argv) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("zaya: error: ") and needle in err[0]
+
+
+@pytest.mark.parametrize("codes,reported", [
+    ([None, 0], None),
+    ([0, 0], None),
+    ([1, None], (0, 1)),
+    ([3, 1], (0, 3)),  # no signal: the lower rank
+    ([1, -9], (1, -9)),  # rank 1 was SIGKILLed and rank 0 exited because its peer vanished
+    ([-15, -9], (0, -15)),
+])
+def test_the_launcher_reports_a_signalled_process_as_the_cause(codes, reported):
+    from zaya_jax.cluster.launcher import first_failure
+
+    assert first_failure(codes) == reported

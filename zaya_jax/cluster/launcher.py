@@ -232,7 +232,7 @@ class Supervisor:
     def _watch(self) -> tuple[int, int] | None:
         while True:
             codes = [child.poll() for child in self.children]
-            failed = next(((i, c) for i, c in enumerate(codes) if c not in (None, 0)), None)
+            failed = first_failure(codes)
             if failed is not None and self.failed_at is None:
                 self.failed_at = time.time()
             if self._stop_requests and failed is not None:
@@ -279,6 +279,16 @@ class Supervisor:
                 os.killpg(child.pid, sig)  # the whole group: nothing a process started outlives it
             except (ProcessLookupError, PermissionError):
                 pass
+
+
+def first_failure(codes: list[int | None]) -> tuple[int, int] | None:
+    """(index, return code) of the failure to report among the children's `poll()` codes, or None.
+
+    When several have failed by the same poll, a process killed by a signal comes first: its peers
+    usually exited only because it vanished (a collective lost its partner), so it is the cause.
+    """
+    failed = [(i, c) for i, c in enumerate(codes) if c not in (None, 0)]
+    return min(failed, key=lambda ic: (ic[1] >= 0, ic[0]), default=None)
 
 
 def _status(returncode: int) -> int:
