@@ -4,7 +4,8 @@
 its defaults, `tuning` the block sizes, `resources` their shared memory against each device,
 `gpu_lowering` the Pallas → Triton check for CUDA/ROCm on any machine, `reference` the plain-jnp
 semantics, `xla_attention` the `xla` attention, `xla_backends` the other XLA and vendor forms,
-and one `pallas_*` module per Pallas kernel.
+and one `pallas_*` module per Pallas kernel. `linear_attention` holds the linear-attention math
+(quadratic reference, chunked form) that the hybrid layers and LASP-2 build on.
 Pallas kernels are imported only when selected.
 """
 
