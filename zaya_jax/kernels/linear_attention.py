@@ -87,9 +87,9 @@ def entering_states(own, ends, log_decay, nq: int, chunk: int):
     count, nk = own.shape[1], own.shape[2]
     # continues[b, i]: chunk i's last document is chunk i−1's (no document starts in it).
     continues = jnp.concatenate([jnp.zeros_like(ends[:, :1], bool), ends[:, 1:] == ends[:, :-1]], axis=1)
-    # broken[b, c, j]: a chunk in (j, c) starts a document, so nothing of chunk j reaches chunk c.
     starts = jnp.cumsum(~continues, axis=1)  # documents started up to and including each chunk
     c, j = jnp.arange(count)[:, None], jnp.arange(count)[None, :]
+    # reach[b, c, j]: chunk j is before c and no chunk between them starts a document.
     reach = (j < c)[None] & (_started_between(starts) == 0)
     decay = jnp.exp(_rates(log_decay, nk, nq)[None, None] * (chunk * jnp.maximum(c - 1 - j, 0))[..., None, None])
     weights = jnp.where(reach[..., None, None], decay, 0.0)  # [B, c, j, nk, g]
