@@ -154,13 +154,16 @@ def _timeline(events, summary) -> str:
     return "\n".join([*rows, f"lost: {summary['lost_sec']}"])
 
 
+SLOW_COMMIT = 3.0
+
+
 def test_waiting_for_the_last_checkpoints_commit_is_checkpoint_time_in_the_ledger(tmp_path, monkeypatch):
     from zaya_jax.train.checkpoints import RunCheckpoints
 
     wait = RunCheckpoints.wait
 
     def slow_wait(self):  # a commit that outlasts the steps, as a loaded file system makes it
-        time.sleep(1.5)
+        time.sleep(SLOW_COMMIT)
         wait(self)
 
     monkeypatch.setattr(RunCheckpoints, "wait", slow_wait)
@@ -172,8 +175,9 @@ def test_waiting_for_the_last_checkpoints_commit_is_checkpoint_time_in_the_ledge
     train(exp, str(tmp_path), devices=jax.devices()[:1], out=io.StringIO())
     events = read_events(str(tmp_path))
     waited, = [e for e in events if e["event"] == "checkpoint" and e.get("commit_wait")]
-    assert waited["step"] == 8 and waited["sec"] >= 1.5
-    assert summarize(events)["lost_sec"]["untracked"] < 0.5, _timeline(events, summarize(events))
+    assert waited["step"] == 8 and waited["sec"] >= SLOW_COMMIT
+    # Were the wait left out of the ledger, untracked would hold all of it; half of it leaves room for a loaded host's small gaps.
+    assert summarize(events)["lost_sec"]["untracked"] < SLOW_COMMIT / 2, _timeline(events, summarize(events))
 
 
 def _overrides(workdir, *extra):
