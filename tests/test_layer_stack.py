@@ -56,7 +56,7 @@ def test_unrolled_layers_give_the_scanned_values_and_gradients(remat):
         np.testing.assert_allclose(value, value_u, rtol=1e-6)
         np.testing.assert_array_equal(choices, choices_u)
         for (path, g), (_, g_u) in zip(grads.flat_state(), grads_u.flat_state()):
-            np.testing.assert_allclose(g.get_value(), g_u.get_value(), rtol=1e-4, atol=1e-7, err_msg=str(path))
+            np.testing.assert_allclose(g.get_value(), g_u.get_value(), rtol=1e-4, atol=1e-6, err_msg=str(path))
 
 
 def test_layer_0_eda_scale_is_inert():
@@ -78,7 +78,7 @@ def test_layer_0_eda_scale_is_inert():
 
 def test_per_layer_form_round_trips_and_has_no_layer_0_eda_scale():
     m = model()
-    arrays = per_layer(flat_arrays(m), CFG.num_hidden_layers)
+    arrays = per_layer(flat_arrays(m), CFG.layer_kinds)
     shapes = expected_shapes(CFG)
     assert sorted(arrays) == sorted(shapes)
     assert {k: a.shape for k, a in arrays.items()} == shapes

@@ -20,6 +20,11 @@ COMPUTE_DTYPES = ("float32", "bfloat16")
 # and a checkpoint may be resumed with different values.
 COMPUTE_FIELDS = ("compute_dtype", "attention_kernel", "moe_kernel", "norm_kernel")
 KERNEL_FIELDS = {"attention_kernel": "attention", "moe_kernel": "grouped_matmul", "norm_kernel": "rms_norm"}
+# Not in HF either, but what the model is: hybrid layers (HF's ZAYA has CCA layers only).
+HYBRID_FIELDS = ("layer_pattern", "linear_feature_map", "linear_decay")
+LAYER_KINDS = {"C": "CCA", "L": "linear attention"}
+LINEAR_FEATURE_MAPS = ("elu1", "silu", "identity")
+LINEAR_DECAYS = ("none", "retention")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,6 +62,11 @@ class ModelConfig:
     attention_kernel: str = "auto"
     moe_kernel: str = "auto"  # the experts' grouped matmul
     norm_kernel: str = "auto"  # RMSNorm
+    # Not in HF: hybrid models (model/linear_attn.py). The layer kinds, a pattern repeated over the
+    # depth: "C" = CCA, "L" = linear attention ("LLLC": three linear layers, then one CCA).
+    layer_pattern: str = "C"
+    linear_feature_map: str = "elu1"  # φ on the linear layers' q and k: elu(x)+1, silu, or none
+    linear_decay: str = "none"  # "none": basic linear attention; "retention": RetNet's fixed per-head decay
 
     def __post_init__(self):
         validate(self)
@@ -73,6 +83,15 @@ class ModelConfig:
     @property
     def rotary_dim(self) -> int:
         return int(self.head_dim * self.partial_rotary_factor)
+
+    @property
+    def layer_kinds(self) -> str:
+        """Each layer's kind ("C" or "L"), layer 0 first: the pattern repeated over the depth."""
+        return self.layer_pattern * (self.num_hidden_layers // len(self.layer_pattern))
+
+    @property
+    def is_hybrid(self) -> bool:
+        return "L" in self.layer_pattern
 
     @property
     def value_half(self) -> int:
@@ -125,6 +144,21 @@ def validate(cfg: ModelConfig) -> None:
         raise ZayaError(f"model.compute_dtype must be one of {COMPUTE_DTYPES}, got {cfg.compute_dtype!r}")
     for field, kernel in KERNEL_FIELDS.items():
         check_kernel_name(kernel, getattr(cfg, field), where=f"model.{field}")
+    _validate_hybrid(cfg)
+
+
+def _validate_hybrid(cfg: ModelConfig) -> None:
+    pattern = cfg.layer_pattern
+    if not isinstance(pattern, str) or not pattern or set(pattern) - set(LAYER_KINDS):
+        raise ZayaError(f"model.layer_pattern must be a non-empty string of {sorted(LAYER_KINDS)} "
+                        f"(C = CCA, L = linear attention), got {pattern!r}")
+    if cfg.num_hidden_layers % len(pattern):
+        raise ZayaError(f"model.num_hidden_layers ({cfg.num_hidden_layers}) must be a multiple of the length of "
+                        f"model.layer_pattern {pattern!r} ({len(pattern)}): the pattern repeats over the depth")
+    if cfg.linear_feature_map not in LINEAR_FEATURE_MAPS:
+        raise ZayaError(f"model.linear_feature_map must be one of {LINEAR_FEATURE_MAPS}, got {cfg.linear_feature_map!r}")
+    if cfg.linear_decay not in LINEAR_DECAYS:
+        raise ZayaError(f"model.linear_decay must be one of {LINEAR_DECAYS}, got {cfg.linear_decay!r}")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -159,7 +193,7 @@ def preset(name: str, **overrides) -> ModelConfig:
 
 _HF_PLAIN_FIELDS = tuple(
     f.name for f in dataclasses.fields(ModelConfig)
-    if f.name not in ("rope_theta", "partial_rotary_factor") + COMPUTE_FIELDS
+    if f.name not in ("rope_theta", "partial_rotary_factor") + COMPUTE_FIELDS + HYBRID_FIELDS
 )
 
 
@@ -202,6 +236,9 @@ def _rope_from_hf(hf: dict[str, Any], source: str) -> tuple[float, float]:
 
 def to_hf_dict(cfg: ModelConfig, dtype: str = "float32") -> dict[str, Any]:
     """The `config.json` that `transformers.AutoConfig` loads back into an equal ZayaConfig."""
+    if cfg.is_hybrid:
+        raise ZayaError(f"model.layer_pattern={cfg.layer_pattern!r} has linear-attention layers, which Hugging "
+                        "Face's ZAYA does not have: a hybrid model stays in our format (read it with zaya_jax.load)")
     out: dict[str, Any] = {"architectures": ["ZayaForCausalLM"], "model_type": "zaya"}
     out.update({k: getattr(cfg, k) for k in _HF_PLAIN_FIELDS})
     rope = {"rope_type": "default", "rope_theta": cfg.rope_theta, "partial_rotary_factor": cfg.partial_rotary_factor}

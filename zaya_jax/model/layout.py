@@ -19,6 +19,10 @@ class Layout:
         """The CCA layer's output, or None for the model's own single-device attention."""
         return None
 
+    def linear_attention(self, params: dict, x, seq, cfg):
+        """A linear-attention layer's output, or None for the model's own single-device form."""
+        return None
+
     def experts(self, x, routing, gate, up, down, backend: str):
         """The experts' output [B, S, H], or None for the model's own sort-by-expert path."""
         return None

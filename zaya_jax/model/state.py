@@ -45,7 +45,7 @@ def stacked_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
 
 def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     """Per-layer names and shapes of the model's interchange form."""
-    return per_layer(stacked_shapes(cfg), cfg.num_hidden_layers, take=lambda shape, i: shape[1:])
+    return per_layer(stacked_shapes(cfg), cfg.layer_kinds, take=lambda shape, i: shape[1:])
 
 
 def build_model(cfg: ModelConfig, arrays: Mapping[str, Any], source: str = "checkpoint"):
@@ -65,6 +65,6 @@ def build_model(cfg: ModelConfig, arrays: Mapping[str, Any], source: str = "chec
             )
     graphdef, state = nnx.split(abstract_model(cfg))
     flat = list(state.flat_state())
-    stacked = stack_entries(arrays, {path_key(p): tuple(v.get_value().shape) for p, v in flat})
+    stacked = stack_entries(arrays, {path_key(p): tuple(v.get_value().shape) for p, v in flat}, cfg.layer_kinds)
     filled = [(p, v.replace(jax.numpy.asarray(stacked[path_key(p)], v.get_value().dtype))) for p, v in flat]
     return nnx.merge(graphdef, nnx.State.from_flat_path(filled))

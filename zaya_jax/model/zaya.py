@@ -1,10 +1,11 @@
-"""The ZAYA1 causal language model: embedding affine, L × (CCA, MoE) blocks, final norm, tied head.
+"""The ZAYA1 causal language model: embedding affine, L × (mixer, MoE) blocks, final norm, tied head.
 
 Residual stream in fp32; each block is
-    r = (a + b1)·s1 + (h + b2)·s2  with a = CCA(RMSNorm(h))
+    r = (a + b1)·s1 + (h + b2)·s2  with a = mixer(RMSNorm(h))
     h = (m + b3)·s3 + (r + b4)·s4  with m = MoE(RMSNorm(r), ρ)
-and ρ, the router state, flows from layer to layer (EDA). The L blocks are stored stacked and
-run as one scan (`model/layer_stack.py`).
+and ρ, the router state, flows from layer to layer (EDA). The mixer is CCA (ZAYA1) or, in a
+hybrid model, linear attention where `model.layer_pattern` says `L` (`model/linear_attn.py`).
+The layers are stored stacked and run as one scan (`model/layer_stack.py`).
 """
 
 from __future__ import annotations
@@ -15,32 +16,68 @@ from flax import nnx
 
 from zaya_jax.config import ModelConfig
 from zaya_jax.model.cca import CCAttention, max_lag
-from zaya_jax.model.layer_stack import init_stack, run_blocks
+from zaya_jax.model.layer_stack import MIXERS, init_stack, run_blocks
 from zaya_jax.model.layout import LOCAL, Layout
+from zaya_jax.model.linear_attn import LinearAttention
 from zaya_jax.model.moe import MoE
 from zaya_jax.model.norms import Affine, RMSNorm, ResidualMerge
 from zaya_jax.model.params import make_param, normal
 from zaya_jax.model.segments import SequenceInfo, sequence_info
 
 
+MIXER_CLASSES = {"C": CCAttention, "L": LinearAttention}
+
+
 class Block(nnx.Module):
+    """One layer's own parts around its token mixer (which the layer stack stores by kind)."""
+
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
         self.attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, "embed", kernel=cfg.norm_kernel, rngs=rngs)
-        self.attn = CCAttention(cfg, rngs=rngs)
         self.attn_merge = ResidualMerge(cfg.hidden_size, rngs=rngs)
         self.mlp_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, "embed", kernel=cfg.norm_kernel, rngs=rngs)
         self.moe = MoE(cfg, rngs=rngs)
         self.mlp_merge = ResidualMerge(cfg.hidden_size, rngs=rngs)
 
-    def __call__(self, h: jax.Array, router_state, seq: SequenceInfo, dtype, layout: Layout = LOCAL):
+    def __call__(self, mixer, h: jax.Array, router_state, seq: SequenceInfo, dtype, layout: Layout = LOCAL):
         # Named scopes: the profiler's trace and the HLO's op names read like the model.
         with jax.named_scope("block"):
-            with jax.named_scope("attention"):
-                a = self.attn(self.attn_norm(h, dtype, layout), seq, layout)
+            with jax.named_scope("attention" if isinstance(mixer, CCAttention) else "linear_attention"):
+                a = mixer(self.attn_norm(h, dtype, layout), seq, layout)
                 r = self.attn_merge(a, h)
             with jax.named_scope("moe"):
                 m, router_state, routing = self.moe(self.mlp_norm(r, dtype, layout), router_state, layout)
                 return self.mlp_merge(m, r), router_state, routing
+
+
+class Layers(nnx.Module):
+    """The depth, stacked: each `Block` part over all L layers (`layers/moe/...`), and each kind's
+    mixer over the layers of that kind (`layers/attn/...` for CCA, `layers/linear_attn/...`)."""
+
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+        kinds = cfg.layer_kinds
+        blocks = init_stack(lambda r: Block(cfg, rngs=r), rngs.params(), len(kinds))
+        for name in block_parts(cfg):
+            setattr(self, name, getattr(blocks, name))
+        for kind, attr in MIXERS.items():
+            if kind in kinds:
+                make = MIXER_CLASSES[kind]
+                setattr(self, attr, init_stack(lambda r, make=make: make(cfg, rngs=r), rngs.params(), kinds.count(kind)))
+
+    def split(self, cfg: ModelConfig):
+        """((block graphdef, block parts stacked over L), {kind: (mixer graphdef, stacked state)})."""
+        block_def = nnx.graphdef(_abstract_block(cfg))
+        parts = nnx.State({name: nnx.state(getattr(self, name)) for name in block_parts(cfg)})
+        mixers = {kind: nnx.split(getattr(self, attr)) for kind, attr in MIXERS.items() if kind in cfg.layer_kinds}
+        return (block_def, parts), mixers
+
+
+def _abstract_block(cfg: ModelConfig) -> Block:
+    return nnx.eval_shape(lambda: Block(cfg, rngs=nnx.Rngs(0)))
+
+
+def block_parts(cfg: ModelConfig) -> list[str]:
+    """The attribute names of a `Block`'s parts."""
+    return list(nnx.state(_abstract_block(cfg)).keys())
 
 
 class Zaya(nnx.Module):
@@ -51,7 +88,7 @@ class Zaya(nnx.Module):
         self.embedding = make_param(rngs, normal(cfg.initializer_range), (cfg.vocab_size, cfg.hidden_size),
                                     ("vocab", "embed"))
         self.input_affine = Affine(cfg.hidden_size, rngs=rngs)
-        self.layers = init_stack(lambda r: Block(cfg, rngs=r), rngs.params(), cfg.num_hidden_layers)
+        self.layers = Layers(cfg, rngs=rngs)
         self.final_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, "embed", kernel=cfg.norm_kernel, rngs=rngs)
 
     @property
@@ -64,17 +101,19 @@ class Zaya(nnx.Module):
 
         `remat` names a policy of `model/remat.py` applied to each block (training memory);
         `layout` runs the layers over devices (`model/layout.py`; default: here, one device);
-        `scan=False` unrolls the layer scan (debugging; same values); `unroll` blocks per scan iteration.
+        `scan=False` unrolls the layer scan (debugging; same values); `unroll`: pattern units per scan iteration.
         """
         cfg, dtype = self.cfg, self.compute_dtype
         seq = sequence_info(input_ids.shape, segment_ids, positions, max_lag=max_lag(cfg))
         h = self.input_affine(layout.embed(self.embedding[...], input_ids))
         no_router_state = jnp.zeros((*h.shape[:-1], cfg.router_hidden_size), jnp.float32)
 
-        def step(block, h, router_state):
-            return block(h, router_state, seq, dtype, layout)
+        def step(block, mixer, h, router_state):
+            return block(mixer, h, router_state, seq, dtype, layout)
 
-        h, choices = run_blocks(self.layers, h, no_router_state, step, remat=remat, scan=scan, unroll=unroll)
+        blocks, mixers = self.layers.split(cfg)
+        h, choices = run_blocks(blocks, mixers, cfg.layer_kinds, h, no_router_state, step, remat=remat, scan=scan,
+                                unroll=unroll)
         return self.final_norm(h, jnp.float32, layout), choices
 
     def logits(self, hidden: jax.Array) -> jax.Array:

@@ -113,13 +113,13 @@ def save_model(program: Program, state, path: str) -> None:
     from zaya_jax.checkpoint import orbax_store
 
     arrays = {**state.params, **state.biases}
-    layers = program.modeldef.cfg.num_hidden_layers
+    kinds = program.modeldef.cfg.layer_kinds
     row = jax.jit(lambda value, i: value[i])  # one layer's row, left sharded where it lies
 
     def groups():  # the per-layer interchange form, one layer at a time
         yield {k: v for k, v in arrays.items() if not layer_stack.is_stacked(k)}
-        for i in range(layers):
-            yield layer_stack.layer_entries(arrays, i, row)
+        for i in range(len(kinds)):
+            yield layer_stack.layer_entries(arrays, i, kinds, row)
 
     tmp = path + ".saving"
     timeout = program.exp.config.distributed.initialization_timeout_s

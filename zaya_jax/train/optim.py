@@ -2,7 +2,8 @@
 
 `PARTITION` is the one table saying, for every parameter (matched by the end of its path),
 which optimizer updates it, whether weight decay applies, and for Muon how the tensor reads as
-a batch of matrices. Following the ZAYA1 recipe: Muon on the attention projections, router
+a batch of matrices. Following the ZAYA1 recipe: Muon on the attention projections (CCA's and
+linear attention's), router
 linears and expert matrices (per expert); AdamW on the embedding (= tied LM head), convs,
 norms, residual scales/biases, EDA scales, temperatures and biases. Weight decay applies to
 weight matrices, conv kernels and the embedding, never to norms, scales, biases or temperatures.
@@ -34,6 +35,13 @@ _IN1 = MatrixView(batch_axes=0, in_axes=1)
 _EXPERT = MatrixView(batch_axes=1, in_axes=1)  # [E, fan_in, fan_out]: orthogonalise per expert
 
 PARTITION: tuple[Rule, ...] = (
+    # Hybrid models' linear-attention layers (before CCA's, whose suffixes they share).
+    Rule("linear_attn/wq", "muon", True, _IN1),  # [H, nq, d]
+    Rule("linear_attn/wk", "muon", True, _IN1),  # [H, nk, d]
+    Rule("linear_attn/wv", "muon", True, _IN1),  # [H, nk, d]
+    Rule("linear_attn/wg", "muon", True, _IN1),  # [H, nq, d]
+    Rule("linear_attn/wo", "muon", True, MatrixView(batch_axes=0, in_axes=2)),  # [nq, d, H]
+    Rule("linear_attn/out_norm", "adamw", False),
     Rule("attn/wq", "muon", True, _IN1),  # [H, nq, d]
     Rule("attn/wk", "muon", True, _IN1),  # [H, nk, d]
     Rule("attn/wv_current", "muon", True, _IN1),
