@@ -161,35 +161,38 @@ def _grid(q_shape, plan: _Plan, dv: int):
 
 @dataclasses.dataclass(frozen=True)
 class _Decay:
-    """λ powers of one head for a block of C tokens: the masked [C, C] intra weights' decay, from
-    the block's start (λ^(i+1)), to its end (λ^(C−1−s)), and across it (λ^C)."""
+    """One head's λ powers over a block of C tokens, built once per program (the loop only masks
+    them by document): λ^(i−j) for j ≤ i, λ^(i+1) from the block's start, λ^(C−1−s) to its end,
+    and λ^C across it."""
 
-    lag: jax.Array
-    rate: jax.Array
+    causal: jax.Array  # [C, C], 0 above the diagonal
+    start_powers: jax.Array  # [C]
+    end_powers: jax.Array  # [C]
+    across: jax.Array  # scalar
 
     @classmethod
     def of(cls, rate, size: int):
         pos = jnp.arange(size)
-        return cls(pos[:, None] - pos[None, :], rate)
+        lag = pos[:, None] - pos[None, :]
+        causal = jnp.where(lag >= 0, jnp.exp(rate * jnp.maximum(lag, 0).astype(jnp.float32)), 0.0)
+        return cls(causal, jnp.exp(rate * (pos + 1).astype(jnp.float32)),
+                   jnp.exp(rate * (size - 1 - pos).astype(jnp.float32)), jnp.exp(rate * size))
 
     def weights(self, seg):
-        """[C, C] λ^(i−j) where j ≤ i in the same document, else 0."""
-        visible = (self.lag >= 0) & (seg[:, None] == seg[None, :])
-        return jnp.where(visible, jnp.exp(self.rate * jnp.maximum(self.lag, 0).astype(jnp.float32)), 0.0)
+        """[C, C] intra-block weights: λ^(i−j) where j ≤ i in the same document, else 0."""
+        return jnp.where(seg[:, None] == seg[None, :], self.causal, 0.0)
 
     def from_start(self, seg, owner):
         """[C] λ^(i+1) for tokens of the state's document `owner`, else 0."""
-        pos = jnp.arange(self.lag.shape[0])
-        return jnp.where(seg == owner, jnp.exp(self.rate * (pos + 1).astype(jnp.float32)), 0.0)
+        return jnp.where(seg == owner, self.start_powers, 0.0)
 
     def to_end(self, seg, last):
         """[C] λ^(C−1−s) for tokens of the block's last document `last`, else 0."""
-        size = self.lag.shape[0]
-        return jnp.where(seg == last, jnp.exp(self.rate * (size - 1 - jnp.arange(size)).astype(jnp.float32)), 0.0)
+        return jnp.where(seg == last, self.end_powers, 0.0)
 
     def carry(self, last, owner):
         """λ^C if the block's last document is the state's (no document starts in it), else 0."""
-        return jnp.where(last == owner, jnp.exp(self.rate * self.lag.shape[0]), 0.0)
+        return jnp.where(last == owner, self.across, 0.0)
 
 
 def _block_segments(seg_ref, c, size: int):
