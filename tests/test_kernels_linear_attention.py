@@ -122,6 +122,15 @@ def test_the_second_half_from_the_first_halfs_state_equals_the_whole_sequence(ba
     assert_close(second, whole[:, half:], jnp.float32, f"{backend} second half")
 
 
+def test_xla_pads_a_sequence_that_is_not_a_whole_number_of_its_chunks():
+    # The other tests fit in one xla chunk (ops.XLA_CHUNK tokens); here a document and the initial
+    # state's reach cross a chunk boundary and the last chunk is padded.
+    length = ops.XLA_CHUNK + 16
+    q, k, v, state, log_decay = _inputs(length, 4, 2, seed=5)
+    segments = jnp.asarray(np.repeat([[0, 1], [2, 2]], [20, length - 20], axis=1).astype(np.int32))
+    _check("xla", q, k, v, state, jnp.float32, "xla two chunks", log_decay=log_decay, segment_ids=segments)
+
+
 def test_pallas_refuses_head_dims_triton_cannot_tile():
     q, k, v, *_ = _inputs(16, 2, 2, dk=24)
     with pytest.raises(ValueError, match="multiple of 16 .*got 24: pad the heads to 32 or use backend='xla'"):

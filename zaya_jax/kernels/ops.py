@@ -113,6 +113,7 @@ def linear_attention(q, k, v, segment_ids=None, *, log_decay=None, initial_state
     `log_decay` fp32 [nq] ≤ 0 (None: no decay); `segment_ids` int [B, S] packed documents;
     `initial_state` fp32 [B, nk, nq/nk, dk, dv], the state entering the row (`chunk_state`'s
     layout), read by the tokens of document `initial_segment` int [B] (default: the first token's).
+    The `pallas` backend gives `log_decay` no gradient (a fixed decay); the others differentiate it.
     """
     _check_linear_attention(q, k, v, segment_ids, log_decay, initial_state, initial_segment)
     backend = resolve("linear_attention", backend)
@@ -128,8 +129,6 @@ def linear_attention(q, k, v, segment_ids=None, *, log_decay=None, initial_state
     chunk = min(XLA_CHUNK, length)
     padded = -(-length // chunk) * chunk
     segs = None if segment_ids is None else la.pad_rows(segment_ids, padded, -1)
-    if initial_state is not None and initial_segment is None:  # the default owner is the unpadded first token's
-        args["initial_segment"] = jnp.zeros(q.shape[:1], jnp.int32) if segment_ids is None else segment_ids[:, 0]
     out = la.chunked(*(la.pad_rows(t, padded) for t in (q, k, v)), segs, chunk=chunk, **args)
     return out[:, :length]
 

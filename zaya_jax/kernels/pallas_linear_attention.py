@@ -136,7 +136,7 @@ _linear_attention.defvjp(_linear_attention_fwd, _linear_attention_bwd)
 # Specs and the per-block quantities every kernel shares
 
 
-def _specs(plan: _Plan, q_shape, dv: int):
+def _specs(plan: _Plan, q_shape):
     """BlockSpecs over the grid (batch, query head, value block): a head's whole sequence of q/k
     rows, of its value columns, the row's segment ids, the decay rates, its state block, the
     initial documents."""
@@ -212,7 +212,7 @@ def _advance(plan: _Plan, state, decay: _Decay, seg, last, owner, k, v):
 
 def _forward(q, k, v, seg, rates, state, owner, plan: _Plan):
     dv = v.shape[3]
-    s = _specs(plan, q.shape, dv)
+    s = _specs(plan, q.shape)
     out_shape = jax.ShapeDtypeStruct(q.shape[:3] + (dv,), q.dtype)
     return plan.call(_fwd, _grid(q.shape, plan, dv), [s["q"], s["k"], s["v"], s["seg"], s["rates"], s["state"],
                                                        s["owner"]],
@@ -243,7 +243,7 @@ def _fwd(q_ref, k_ref, v_ref, seg_ref, rate_ref, state_ref, owner_ref, o_ref, *,
 
 def _backward_dq(q, k, v, seg, rates, state, owner, dout, plan: _Plan):
     dv = v.shape[3]
-    s = _specs(plan, q.shape, dv)
+    s = _specs(plan, q.shape)
     parts = dv // plan.blocks.block_dv
     return plan.call(_dq, _grid(q.shape, plan, dv), [s["k"], s["v"], s["o"], s["seg"], s["rates"], s["state"],
                                                       s["owner"]],
@@ -271,7 +271,7 @@ def _dq(k_ref, v_ref, do_ref, seg_ref, rate_ref, state_ref, owner_ref, dq_ref, *
 
 def _backward_dkv(q, k, v, seg, rates, state, owner, dout, plan: _Plan):
     dv = v.shape[3]
-    s = _specs(plan, q.shape, dv)
+    s = _specs(plan, q.shape)
     parts = dv // plan.blocks.block_dv
     shapes = [jax.ShapeDtypeStruct((parts,) + q.shape[:3] + k.shape[3:], jnp.float32),  # dk per value block
               jax.ShapeDtypeStruct(q.shape[:3] + (dv,), jnp.float32),  # dv per query head
