@@ -136,8 +136,8 @@ def linear_attention(q, k, v, segment_ids=None, *, log_decay=None, initial_state
 def _check_linear_attention(q, k, v, segment_ids, log_decay, initial_state, initial_segment) -> None:
     if q.ndim != 4 or k.ndim != 4 or v.ndim != 4 or q.shape[:2] != k.shape[:2] or k.shape[:3] != v.shape[:3] \
             or q.shape[3] != k.shape[3]:
-        raise ValueError(f"linear attention wants q [B, S, nq, dk], k [B, S, nk, dk], v [B, S, nk, dv]; got q {q.shape}, "
-                         f"k {k.shape}, v {v.shape}")
+        raise ValueError(f"linear attention wants q [B, S, nq, dk], k [B, S, nk, dk], v [B, S, nk, dv]; got "
+                         f"q {q.shape}, k {k.shape}, v {v.shape}")
     batch, length, nq, dk = q.shape
     nk, dv = k.shape[2], v.shape[3]
     if nq % nk:

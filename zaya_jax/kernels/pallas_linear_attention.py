@@ -5,8 +5,8 @@ One program per (batch row, query head, block of `block_dv` value columns: outpu
 only on their own value columns, so the state splits along d_v). It walks the sequence in blocks
 of `block` tokens, carrying the fp32 state and the segment id of the document it holds:
 
-    out_blk = (q kᵀ ⊙ λ^(i−j) ⊙ causal ⊙ same document) v  +  λ^(i+1) [token continues the state's document] q M
-    M      ← λ^block · M · [the block's last document is M's]  +  Σ_{s in that document} λ^(block−1−s) k_sᵀ v_s
+    out_blk = (q kᵀ ⊙ λ^(i−j) ⊙ causal ⊙ same document) v + λ^(i+1) [token continues M's document] q M
+    M      ← λ^block · M · [the block's last document is M's] + Σ_{s in that document} λ^(block−1−s) k_sᵀ v_s
 
 The state starts as `initial_state` with document `initial_segment` (zeros: nothing before).
 Operands may be bf16; products accumulate in fp32, and the state enters its products in the
