@@ -119,7 +119,7 @@ def _linear_attention_fwd(q, k, v, seg, rates, state, owner, plan):
 
 def _linear_attention_bwd(plan, residuals, dout):
     q, k, v, seg, rates, state, owner = residuals
-    batch, seq, nq, dk = q.shape
+    batch, seq = q.shape[:2]
     nk, g = k.shape[2], plan.groups
     dq = _backward_dq(q, k, v, seg, rates, state, owner, dout, plan).sum(axis=0)
     dk_parts, dv_heads, dstate = _backward_dkv(q, k, v, seg, rates, state, owner, dout, plan)
