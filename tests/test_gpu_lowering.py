@@ -38,7 +38,9 @@ def test_kernels_are_lowered_with_the_platform_tuning_row(platform):
     _skip_unless_lowerable(platform)
     row = tuning.TABLE[f"{platform}/16"]
     family = {"zaya_forward_kernel": "attention", "zaya_dq_kernel": "attention", "zaya_dkv_kernel": "attention",
-              "zaya_grouped_matmul": "grouped_matmul", "zaya_grouped_matmul_transposed": "grouped_matmul"}
+              "zaya_grouped_matmul": "grouped_matmul", "zaya_grouped_matmul_transposed": "grouped_matmul",
+              **dict.fromkeys(("zaya_linear_attention_fwd", "zaya_linear_attention_dq", "zaya_linear_attention_dkv"),
+                              "linear_attention")}
     for case in gpu_lowering.kernel_cases(jnp.bfloat16):
         for name, stages, warps in gpu_lowering.launch_params(gpu_lowering.lower(case.fn, case.args, platform)):
             blocks = row[family.get(name, "rms_norm")]

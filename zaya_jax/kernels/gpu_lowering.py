@@ -10,7 +10,8 @@ same kernels in tests, accepts many such programs. This module owns:
 - `triton_calls(text)`: how many Triton kernel calls the text holds, by kernel name;
 - `kernel_cases` / `lower_kernel_case`: every Pallas kernel, forward and forward+backward, at
   ZAYA1's shapes (head_dim 128, 8 query : 2 KV heads, packed segment ids, the sequence-split
-  offset form, 16 experts of 2048 x 2048), from shapes alone (nothing is allocated).
+  offset form, 16 experts of 2048 x 2048; linear attention with decay and an entering state),
+  from shapes alone (nothing is allocated).
 
 `tools/lower_for_gpu.py` is the command; `Program.lower_train_step` lowers a whole train step.
 """
@@ -131,6 +132,14 @@ def kernel_cases(dtype=jnp.bfloat16, seq: int = 4096) -> list[KernelCase]:
     def norm(x, w):
         return ops.rms_norm(x, w, eps=1e-5, backend="pallas")
 
+    decay, owner = _spec((heads,), jnp.float32), _spec((batch,), jnp.int32)
+    state = _spec((batch, kv_heads, heads // kv_heads, head_dim, head_dim), jnp.float32)
+
+    def linear(q, k, v, segs, decay, state, owner):
+        return ops.linear_attention(q, k, v, segs, log_decay=decay, initial_state=state, initial_segment=owner,
+                                    backend="pallas")
+
+    linear_args = (q, kv, kv, seg, decay, state, owner)
     attn_fwd = {"zaya_forward_kernel": 1}
     attn_all = {"zaya_forward_kernel": 1, "zaya_dq_kernel": 1, "zaya_dkv_kernel": 1}
     return [
@@ -145,6 +154,9 @@ def kernel_cases(dtype=jnp.bfloat16, seq: int = 4096) -> list[KernelCase]:
         KernelCase("rms norm fwd", norm, (x, w), {"zaya_rms_norm_fwd": 1}),
         KernelCase("rms norm fwd+bwd", _fwd_bwd(norm, (0, 1)), (x, w),
                    {"zaya_rms_norm_fwd": 1, "zaya_rms_norm_bwd": 1}),
+        KernelCase("linear attention fwd", linear, linear_args, {"zaya_linear_attention_fwd": 1}),
+        KernelCase("linear attention fwd+bwd", _fwd_bwd(linear, (0, 1, 2, 5)), linear_args,
+                   {"zaya_linear_attention_fwd": 1, "zaya_linear_attention_dq": 1, "zaya_linear_attention_dkv": 1}),
     ]
 
 

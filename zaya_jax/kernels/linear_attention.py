@@ -14,6 +14,12 @@ in after the layer's feature map.
   λ^(t−c₀+1) q_t M_{c−1} when it continues that document. Documents are contiguous, so the state
   of a chunk's last document is all a later token can need. This state is what LASP-2 exchanges
   between the devices of a sequence axis, one chunk per device.
+
+Both take an optional `initial_state` fp32 [B, nk, g, dk, dv] (the memory entering the row from
+earlier tokens, in `chunk_state`'s layout) and `initial_segment` int [B] (its document; default:
+the row's first token's). Tokens of that document read it as `from_state` does, λ^(t+1) q_t M;
+documents are contiguous, so that term needs no chunking. The registry entry point is
+`kernels.ops.linear_attention`.
 """
 
 from __future__ import annotations
@@ -22,7 +28,7 @@ import jax
 import jax.numpy as jnp
 
 
-def reference(q, k, v, segment_ids=None, *, log_decay=None):
+def reference(q, k, v, segment_ids=None, *, log_decay=None, initial_state=None, initial_segment=None):
     """q [B, S, nq, dk], k [B, S, nk, dk], v [B, S, nk, dv], segment_ids int [B, S] or None,
     log_decay fp32 [nq] ≤ 0 or None → [B, S, nq, dv] in q's dtype (fp32 sums)."""
     batch, length, nq, dk = q.shape
@@ -35,11 +41,22 @@ def reference(q, k, v, segment_ids=None, *, log_decay=None):
     if segment_ids is not None:
         mask = mask & (segment_ids[:, :, None] == segment_ids[:, None, :])[:, None, None]
     weighted = jnp.where(mask, scores * weight, 0.0)
-    out = jnp.einsum("bngst,btnd->bsngd", weighted, v.astype(jnp.float32))
-    return out.reshape(batch, length, nq, -1).astype(q.dtype)
+    out = jnp.einsum("bngst,btnd->bsngd", weighted, v.astype(jnp.float32)).reshape(batch, length, nq, -1)
+    out = out + initial_term(q, segment_ids, log_decay, initial_state, initial_segment)
+    return out.astype(q.dtype)
 
 
-def chunked(q, k, v, segment_ids=None, *, log_decay=None, chunk: int = 64):
+def initial_term(q, segment_ids, log_decay, initial_state, initial_segment):
+    """What the tokens continuing `initial_state`'s document read from it: fp32 [B, S, nq, dv], or 0."""
+    if initial_state is None:
+        return 0.0
+    seg = jnp.zeros(q.shape[:2], jnp.int32) if segment_ids is None else segment_ids
+    owner = seg[:, 0] if initial_segment is None else initial_segment.astype(seg.dtype)
+    return from_state(q, initial_state.astype(jnp.float32), seg, owner, log_decay)
+
+
+def chunked(q, k, v, segment_ids=None, *, log_decay=None, chunk: int = 64, initial_state=None,
+            initial_segment=None):
     """`reference` in chunks of `chunk` tokens (the sequence length must divide by it)."""
     batch, length, nq, _ = q.shape
     if length % chunk:
@@ -55,7 +72,15 @@ def chunked(q, k, v, segment_ids=None, *, log_decay=None, chunk: int = 64):
     previous_end = jnp.concatenate([jnp.full((batch, 1), -1, seg.dtype), ends[:, :-1]], axis=1)
     out = intra_chunk(qc, kc, vc, sc, log_decay) + from_state(
         qc, entering.reshape(batch * count, *entering.shape[2:]), sc, previous_end.reshape(-1), log_decay)
-    return out.reshape(batch, length, nq, -1).astype(q.dtype)
+    out = out.reshape(batch, length, nq, -1) + initial_term(q, segment_ids, log_decay, initial_state, initial_segment)
+    return out.astype(q.dtype)
+
+
+def pad_rows(x, length: int, value=0):
+    """x [B, S, ...] with rows S.. length-1 filled with `value`: trailing tokens change nothing
+    before them (attention is causal), so callers pad to a whole number of chunks and slice back."""
+    pad = length - x.shape[1]
+    return x if not pad else jnp.pad(x, ((0, 0), (0, pad)) + ((0, 0),) * (x.ndim - 2), constant_values=value)
 
 
 def intra_chunk(q, k, v, segment_ids, log_decay):

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
+from zaya_jax.kernels import linear_attention as la
 from zaya_jax.kernels import reference, tiled_grouped_matmul, xla_attention, xla_backends
 from zaya_jax.kernels.registry import interpret_mode, resolve
 
@@ -99,6 +100,63 @@ def rms_norm(x, weight, *, eps, out_dtype=None, backend=None, interpret=None, bl
                                         interpret=interpret_mode(interpret))
     impl = reference if backend == "reference" else xla_backends
     return impl.rms_norm(x, weight, eps=eps, out_dtype=out_dtype)
+
+
+XLA_CHUNK = 64  # the `xla` linear attention's chunk: [C, C] scores per chunk against C-fold fewer states
+
+
+def linear_attention(q, k, v, segment_ids=None, *, log_decay=None, initial_state=None, initial_segment=None,
+                     backend=None, interpret=None, blocks=None):
+    """Causal GQA linear attention (`kernels.linear_attention`): q [B, S, nq, dk], k [B, S, nk, dk],
+    v [B, S, nk, dv] → [B, S, nq, dv] in q's dtype, fp32 sums.
+
+    `log_decay` fp32 [nq] ≤ 0 (None: no decay); `segment_ids` int [B, S] packed documents;
+    `initial_state` fp32 [B, nk, nq/nk, dk, dv], the state entering the row (`chunk_state`'s
+    layout), read by the tokens of document `initial_segment` int [B] (default: the first token's).
+    The `pallas` backend gives `log_decay` no gradient (a fixed decay); the others differentiate it.
+    """
+    _check_linear_attention(q, k, v, segment_ids, log_decay, initial_state, initial_segment)
+    backend = resolve("linear_attention", backend)
+    args = dict(log_decay=log_decay, initial_state=initial_state, initial_segment=initial_segment)
+    if backend == "pallas":
+        from zaya_jax.kernels import pallas_linear_attention
+
+        return pallas_linear_attention.linear_attention(q, k, v, segment_ids, **args, blocks=blocks,
+                                                        interpret=interpret_mode(interpret))
+    if backend == "reference":
+        return la.reference(q, k, v, segment_ids, **args)
+    length = q.shape[1]
+    chunk = min(XLA_CHUNK, length)
+    padded = -(-length // chunk) * chunk
+    segs = None if segment_ids is None else la.pad_rows(segment_ids, padded, -1)
+    out = la.chunked(*(la.pad_rows(t, padded) for t in (q, k, v)), segs, chunk=chunk, **args)
+    return out[:, :length]
+
+
+def _check_linear_attention(q, k, v, segment_ids, log_decay, initial_state, initial_segment) -> None:
+    if q.ndim != 4 or k.ndim != 4 or v.ndim != 4 or q.shape[:2] != k.shape[:2] or k.shape[:3] != v.shape[:3] \
+            or q.shape[3] != k.shape[3]:
+        raise ValueError(f"linear attention wants q [B, S, nq, dk], k [B, S, nk, dk], v [B, S, nk, dv]; got "
+                         f"q {q.shape}, k {k.shape}, v {v.shape}")
+    batch, length, nq, dk = q.shape
+    nk, dv = k.shape[2], v.shape[3]
+    if nq % nk:
+        raise ValueError(f"query heads ({nq}) must be a multiple of KV heads ({nk})")
+    if segment_ids is not None and (segment_ids.shape != (batch, length)
+                                    or not jnp.issubdtype(segment_ids.dtype, jnp.integer)):
+        raise ValueError(f"segment_ids must be integer [B, S] = {(batch, length)}, got {segment_ids.dtype} "
+                         f"{segment_ids.shape}")
+    if log_decay is not None and log_decay.shape != (nq,):
+        raise ValueError(f"log_decay must be [nq] = [{nq}] (one rate per query head), got {log_decay.shape}")
+    state_shape = (batch, nk, nq // nk, dk, dv)
+    if initial_state is not None and initial_state.shape != state_shape:
+        raise ValueError(f"initial_state must be [B, nk, nq/nk, dk, dv] = {list(state_shape)}, got "
+                         f"{list(initial_state.shape)}")
+    if initial_segment is not None and (initial_state is None or initial_segment.shape != (batch,)
+                                        or not jnp.issubdtype(initial_segment.dtype, jnp.integer)):
+        raise ValueError(f"initial_segment must be integer [B] = [{batch}] and comes with an initial_state, got "
+                         f"{initial_segment.dtype} {initial_segment.shape}"
+                         + ("" if initial_state is not None else " without one"))
 
 
 def _check_attention(q, k, v, segment_ids, kv_segment_ids=None, sharded=False) -> None:

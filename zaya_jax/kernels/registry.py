@@ -1,10 +1,11 @@
 """Which implementation runs each hot-path kernel, and for which target: backend names, the
 per-target defaults, and the kernel target itself.
 
-Three kernels (`attention`, `grouped_matmul`, `rms_norm`) each have a `reference` (plain jnp,
-the obviously-correct form every other backend is tested against), an `xla` form (for the
-grouped matmul also `tiled`, XLA ops in the Pallas kernel's tile layout: the CPU default), and a
-`pallas` form (Triton lowering on CUDA and ROCm, `interpret=True` on CPU). Vendor backends exist
+Four kernels (`attention`, `grouped_matmul`, `rms_norm`, `linear_attention`) each have a
+`reference` (plain jnp, the obviously-correct form every other backend is tested against), an
+`xla` form (for the grouped matmul also `tiled`, XLA ops in the Pallas kernel's tile layout: the
+CPU default; for linear attention the chunked form), and a `pallas` form (Triton lowering on CUDA
+and ROCm, `interpret=True` on CPU). Vendor backends exist
 on one GPU target only (`VENDOR_BACKENDS`): attention's `cudnn` (through
 `jax.nn.dot_product_attention`; no segment-id mask, so inference only), and the grouped matmul's
 `cudnn` and `hipblaslt` (XLA's `ragged_dot`, routed by an XLA flag to the vendor's grouped GEMM;
@@ -28,11 +29,12 @@ import jax
 
 from zaya_jax.errors import ZayaError
 
-KERNELS = ("attention", "grouped_matmul", "rms_norm")
+KERNELS = ("attention", "grouped_matmul", "rms_norm", "linear_attention")
 BACKENDS: dict[str, tuple[str, ...]] = {
     "attention": ("reference", "xla", "pallas", "cudnn"),
     "grouped_matmul": ("reference", "xla", "tiled", "pallas", "cudnn", "hipblaslt"),
     "rms_norm": ("reference", "xla", "pallas"),
+    "linear_attention": ("reference", "xla", "pallas"),
 }
 TARGETS = ("cpu", "cuda", "rocm", "tpu")
 GPU_TARGETS = ("cuda", "rocm")
@@ -75,12 +77,15 @@ DESCRIPTIONS: dict[tuple[str, str], str] = {
 # for all), so the Pallas kernels are the only scalable choice on both vendors. The vendor grouped
 # GEMMs (`cudnn`, `hipblaslt`) are opt-in: untimed here, process-wide XLA flags, cuDNN's covers
 # only the forward and input gradient, and XLA calls hipBLASLt's "not fully optimized".
-_PALLAS = {"attention": "pallas", "grouped_matmul": "pallas", "rms_norm": "pallas"}
+# Linear attention's `xla` form is already linear in S (chunks), but XLA writes every chunk's
+# [C, C] scores and states to memory; the Pallas kernel keeps the state on chip across the
+# sequence. On TPU the chunked XLA form is the one we have (our Pallas kernels lower to Triton).
+_PALLAS = {"attention": "pallas", "grouped_matmul": "pallas", "rms_norm": "pallas", "linear_attention": "pallas"}
 DEFAULTS: dict[str, dict[str, str]] = {
-    "cpu": {"attention": "xla", "grouped_matmul": "tiled", "rms_norm": "xla"},
+    "cpu": {"attention": "xla", "grouped_matmul": "tiled", "rms_norm": "xla", "linear_attention": "xla"},
     "cuda": dict(_PALLAS),
     "rocm": dict(_PALLAS),
-    "tpu": {"attention": "xla", "grouped_matmul": "xla", "rms_norm": "xla"},
+    "tpu": {"attention": "xla", "grouped_matmul": "xla", "rms_norm": "xla", "linear_attention": "xla"},
 }
 
 _TARGET: contextvars.ContextVar[str | None] = contextvars.ContextVar("zaya_kernel_target", default=None)

@@ -19,7 +19,7 @@ from __future__ import annotations
 import dataclasses
 
 from zaya_jax.errors import ZayaError
-from zaya_jax.kernels.tuning import TABLE, AttentionBlocks, GroupedMatmulBlocks, RmsNormBlocks
+from zaya_jax.kernels.tuning import TABLE, AttentionBlocks, GroupedMatmulBlocks, LinearAttentionBlocks, RmsNormBlocks
 
 HEAD_DIM = 128  # ZAYA1's head_dim, the only one the model uses
 
@@ -56,7 +56,16 @@ def rms_norm(blocks: RmsNormBlocks, itemsize: int) -> list[Usage]:
     return [Usage("rms_norm_fwd", scratch), Usage("rms_norm_bwd", 2 * scratch)]
 
 
-MODELS = {"attention": attention, "grouped_matmul": grouped_matmul, "rms_norm": rms_norm}
+def linear_attention(blocks: LinearAttentionBlocks, itemsize: int, head_dim: int = HEAD_DIM) -> list[Usage]:
+    """`pallas_linear_attention`: every operand tile is loaded per sequence step (the state and
+    its gradient live in registers): forward q, k, v; dq k, v, dO; dk/dv q, k, v, dO."""
+    per_token = {"forward": 2 * head_dim + blocks.block_dv, "dq": head_dim + 2 * blocks.block_dv,
+                 "dkv": 2 * head_dim + 2 * blocks.block_dv}
+    return [Usage(name, itemsize * blocks.num_stages * blocks.block * width) for name, width in per_token.items()]
+
+
+MODELS = {"attention": attention, "grouped_matmul": grouped_matmul, "rms_norm": rms_norm,
+          "linear_attention": linear_attention}
 
 
 def usage(kernel: str, blocks, itemsize: int) -> list[Usage]:

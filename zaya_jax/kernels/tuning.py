@@ -52,10 +52,19 @@ class RmsNormBlocks:
     num_warps: int = 4
 
 
+@dataclasses.dataclass(frozen=True)
+class LinearAttentionBlocks:
+    block: int  # tokens per step of the loop over the sequence (the chunk C)
+    block_dv: int  # value columns per program: the state is d_k × block_dv, fp32, in registers
+    num_warps: int = 4
+    num_stages: int = 2
+
+
 _CPU = {
     "attention": AttentionBlocks(block_q=32, block_k=16, block_q_bwd=16, block_k_bwd=32),
     "grouped_matmul": GroupedMatmulBlocks(block_m=16, block_k=16, block_n=32),
     "rms_norm": RmsNormBlocks(block_rows=8),
+    "linear_attention": LinearAttentionBlocks(block=16, block_dv=16),
 }
 
 TABLE: dict[str, dict] = {
@@ -64,24 +73,28 @@ TABLE: dict[str, dict] = {
                                      num_stages=2),
         "grouped_matmul": GroupedMatmulBlocks(block_m=128, block_k=64, block_n=128, num_warps=8, num_stages=3),
         "rms_norm": RmsNormBlocks(block_rows=4, num_warps=8),
+        "linear_attention": LinearAttentionBlocks(block=64, block_dv=64, num_warps=4, num_stages=2),
     },
     "cuda/32": {
         "attention": AttentionBlocks(block_q=64, block_k=32, block_q_bwd=32, block_k_bwd=64, num_warps=4,
                                      num_stages=2),
         "grouped_matmul": GroupedMatmulBlocks(block_m=64, block_k=32, block_n=64, num_warps=4, num_stages=3),
         "rms_norm": RmsNormBlocks(block_rows=4, num_warps=8),
+        "linear_attention": LinearAttentionBlocks(block=32, block_dv=64, num_warps=4, num_stages=2),
     },
     "rocm/16": {
         "attention": AttentionBlocks(block_q=64, block_k=32, block_q_bwd=32, block_k_bwd=64, num_warps=4,
                                      num_stages=1),
         "grouped_matmul": GroupedMatmulBlocks(block_m=128, block_k=64, block_n=128, num_warps=8, num_stages=1),
         "rms_norm": RmsNormBlocks(block_rows=4, num_warps=8),
+        "linear_attention": LinearAttentionBlocks(block=64, block_dv=64, num_warps=4, num_stages=1),
     },
     "rocm/32": {
         "attention": AttentionBlocks(block_q=32, block_k=16, block_q_bwd=16, block_k_bwd=32, num_warps=4,
                                      num_stages=1),
         "grouped_matmul": GroupedMatmulBlocks(block_m=64, block_k=32, block_n=64, num_warps=4, num_stages=1),
         "rms_norm": RmsNormBlocks(block_rows=4, num_warps=8),
+        "linear_attention": LinearAttentionBlocks(block=32, block_dv=32, num_warps=4, num_stages=1),
     },
     "cpu": _CPU,
 }
