@@ -86,3 +86,11 @@ def previous_chunk_routes(devices: int, zigzag: bool) -> list[Route]:
             (local.append(d) if source == d else pairs.append((source, d)))
     return [Route(slot, source_slot, tuple(pairs), tuple(local)) for (slot, source_slot), (pairs, local)
             in sorted(routes.items())]
+
+
+def busiest_causal_share(devices: int, zigzagged: bool) -> float:
+    """Causal attention work of the busiest device over the average device's (1.0: balanced).
+
+    Chunk g of n equal chunks has queries seeing g + 1/2 chunks of keys on average."""
+    work = [sum(c + 0.5 for c in chunks_of(d, devices, zigzagged)) for d in range(devices)]
+    return max(work) * devices / sum(work)
