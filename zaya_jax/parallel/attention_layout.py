@@ -1,15 +1,25 @@
 """CCA attention on a mesh with `tsp`, `tensor` or `sequence` > 1: one `shard_map` schedule.
 
-Each device holds activations [B/batch, S/(tsp·sequence), H] (contiguous sequence chunks) and runs
-`model.cca.project` — the single-device math — on whole KV groups:
+Each device holds activations [B/batch, S/(tsp·sequence), H] and runs `model.cca.project` — the
+single-device math — on whole KV groups. Its rows are one contiguous chunk of the sequence, or,
+zigzagged (`mesh.zigzag`, the program's default), two: chunks p and 2D−1−p of 2D, so that causal
+attention costs every device the same. `parallel/zigzag.chunks_of` says which; the schedule
+stacks a device's chunks on the batch dimension, so the layer math sees independent rows.
 
 - **Halo.** CCA's convolutions look (t0-1)+(t1-1) tokens back and the delayed values one token
-  back, so each device takes the last rows of the previous chunk's input from its neighbour
-  (one `ppermute` of x, segment ids and positions), runs the layer on [look-back rows ‖ chunk] and drops
-  the look-back rows. The first chunk's look-back lies before the sequence and is masked as such.
+  back, so each chunk takes the last rows of the chunk before it in the sequence from the
+  device holding it (`zigzag.previous_chunk_routes`: contiguous, one `ppermute` from the left
+  neighbour; zigzagged, the first chunks from the left neighbour's first, the second chunks
+  from the right neighbour's second, and chunk D from chunk D−1 on its own device), each a
+  `ppermute` of x, segment ids and positions. The layer runs on [look-back rows ‖ chunk] with
+  each column's global index (so the masks of the convolutions and delayed values are right)
+  and drops the look-back rows. The first chunk's look-back lies before the sequence and is
+  masked as such.
 - **Sequence (context) parallel.** K and V of every device are all-gathered along the sequence
-  (tiled, in chunk order) and the local queries attend with a causal mask offset by the chunk's
-  place; segment ids are gathered once per layer for the packed-document mask.
+  (tiled, in device order) and put back in sequence order (a static permutation of chunks when
+  zigzagged), and each local chunk's queries attend with a causal mask offset by that chunk's
+  place: one kernel call per local chunk, so the Pallas kernel skips the key blocks past each
+  chunk's diagonal. Segment ids are gathered once per layer for the packed-document mask.
 - **TSP.** Weights are stored 1/D on their hidden dimension (see `parallel/rules.py`). Heads
   are processed in buckets of one KV group: the bucket's weight slices are all-gathered over
   `tsp` (each a plain all-gather; only one bucket is resident at a time), local tokens are
