@@ -55,6 +55,7 @@ def test_overrides_are_parsed_as_the_key_type():
     (["--config.train.global_batch_size=10", "--config.train.grad_accum_steps=4"], "multiple of train.grad_accum_steps"),
     (["--config.mesh.tsp=0"], "mesh.tsp must be a positive size"),
     (["--config.mesh.data=-1", "--config.mesh.fsdp=-1"], "only one mesh axis may be -1"),
+    (["--config.mesh.zigzag=maybe"], "true/false"),
     (["--config.train.remat=some"], "train.remat must be one of"),
     (["--config.model.num_attention_heads=3"], "model.num_attention_heads (3) must be a multiple"),
     (["--config.optim.min_lr=1.0"], "optim.min_lr"),
@@ -121,16 +122,18 @@ def test_mesh_resolution_and_layout_checks():
     (dict(tensor=4, data=2), {}, r"num_key_value_heads \(2\) is not divisible by mesh.tensor \(4\): CCA mixes"),
     (dict(tsp=8), dict(moe_intermediate_size=12), r"moe_intermediate_size \(12\) is not divisible by mesh.tensor x mesh.tsp \(8\)"),
     (dict(tsp=4, fsdp=2), dict(hidden_size=132, num_attention_heads=4), r"hidden_size \(132\) is not divisible by mesh.fsdp x mesh.tsp \(8\)"),
-    (dict(sequence=8), {}, r"train.seq_len \(100\) is not divisible by mesh.tsp x mesh.sequence \(8\)"),
+    (dict(sequence=8, zigzag=False), {}, r"train.seq_len \(100\) is not divisible by mesh.tsp x mesh.sequence \(8\)"),
+    (dict(sequence=4, data=2), {}, r"train.seq_len \(100\) is not divisible by 2 x mesh.tsp x mesh.sequence \(8\): zigzag "
+                           r".* or set mesh.zigzag=False"),
     (dict(tsp=4, sequence=2), {}, "train.seq_len / .* = 1 tokens per chunk is shorter than CCA's look-back of 2"),
     (dict(sequence=4, data=2), dict(attention_kernel="cudnn"), "model.attention_kernel=cudnn takes no causal offset"),
 ])
 def test_impossible_layouts_are_refused_in_words(layout, overrides, words):
     sizes = resolve_axis_sizes({**dict(base_config().mesh), "data": 1, **layout}, 8)
     model = load_experiment(TINY).model.replace(**overrides)
-    seq_len = 8 if "look-back" in words else 100 if "(100" in words else 128
+    seq_len = 16 if "look-back" in words else 100 if "(100" in words else 128
     with pytest.raises(ZayaError, match="^mesh \\(.*\\): .*" + words):
-        check_layout(sizes, model, micro_batch=8, seq_len=seq_len)
+        check_layout(sizes, model, micro_batch=8, seq_len=seq_len, zigzag=layout.get("zigzag", True))
 
 
 def test_parse_override_args_forms():

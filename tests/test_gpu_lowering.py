@@ -14,6 +14,7 @@ from jax.experimental.pallas import triton as plgpu
 from zaya_jax.errors import ZayaError
 from zaya_jax.kernels import gpu_lowering, resources, tuning
 from zaya_jax.kernels.registry import resolve, target, targeting
+from zaya_jax.parallel import zigzag
 from zaya_jax.train.program import program_for_target
 
 PLATFORMS = ("cuda", "rocm")
@@ -92,7 +93,7 @@ def expected_calls(program, mesh: dict) -> dict:
     """The Triton calls of one train step, from the model, layout and remat ('none' or 'full').
 
     Per traced block (one when the layers are scanned, each layer when unrolled): the attention kernels run once per KV-group bucket (TSP gathers one group at a time)
-    and per sequence chunk (one static causal-offset branch each); three norms; two grouped
+    and per sequence chunk (one static causal-offset branch per device); three norms; two grouped
     matmuls forward (the fused gate/up, down) and two input-gradient ones backward, plus two
     weight-gradient ones. The TSP ring runs each step's matmuls once per slice, and its backward
     recomputes the gate/up one. Full
@@ -101,7 +102,8 @@ def expected_calls(program, mesh: dict) -> dict:
     model, step = program.exp.model, program.step_cfg
     layers = 1 if step.scan_layers else model.num_hidden_layers
     tsp = mesh.get("tsp", 1)
-    chunks = tsp * mesh.get("sequence", 1)
+    # One causal-offset branch per sequence device, one kernel per chunk it holds (two under zigzag).
+    chunks = tsp * mesh.get("sequence", 1) * zigzag.chunks_per_device(program.zigzagged)
     again = 2 if step.remat == "full" else 1
     attention = layers * (model.num_key_value_heads if tsp > 1 else 1) * chunks
     forward_gmm, backward_gmm = (2 * tsp, 3 * tsp) if tsp > 1 else (2, 2)

@@ -47,10 +47,11 @@ def _abstract(mesh):
     return attn, experts, x, ints, floats
 
 
-def _attention(mesh):
+def _attention(mesh, zigzagged=False):
     def layer(params, x, segments, positions):
         with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
-            return attention_layout.cca(params, x, sequence_info((B, S), segments, positions, 1), CFG)
+            return attention_layout.cca(params, x, sequence_info((B, S), segments, positions, 1), CFG,
+                                        zigzagged=zigzagged)
     return layer
 
 
@@ -113,13 +114,17 @@ def test_tsp_experts_ring_has_only_permutes():
     assert compiled == {"collective_permute": 3 * (d - 1) + 3 * d}
 
 
+@pytest.mark.parametrize("zigzagged", [False, True], ids=["contiguous", "zigzag"])
 @pytest.mark.parametrize("layout", [dict(sequence=8), dict(tensor=2, sequence=4)], ids=str)
-def test_sequence_attention_gathers_keys_and_values_once(layout):
+def test_sequence_attention_gathers_keys_and_values_once(layout, zigzagged):
     mesh = _mesh(**layout)
     attn, _, x, ints, _ = _abstract(mesh)
-    written, _, _ = _collectives(_attention(mesh), attn, x, ints, ints)
+    written, _, _ = _collectives(_attention(mesh, zigzagged), attn, x, ints, ints)
     tensor_sums = 1 if layout.get("tensor", 1) > 1 else 0  # Megatron's one all-reduce of the output
-    assert written == {"all_gather": 3, "collective_permute": 3, **({"all_reduce": 1} if tensor_sums else {})}
+    # Look-back rows (x, segment ids, positions): from the left neighbour, and under zigzag for
+    # the second chunks from the right one too (parallel/zigzag.py).
+    permutes = 3 * (2 if zigzagged else 1)
+    assert written == {"all_gather": 3, "collective_permute": permutes, **({"all_reduce": 1} if tensor_sums else {})}
 
 
 def test_expert_parallel_dispatch_is_all_gather_and_reduce_scatter():

@@ -16,7 +16,9 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from zaya_jax.config import preset
 from zaya_jax.model.layout import LOCAL
 from zaya_jax.parallel.mesh import build_mesh
-from zaya_jax.parallel.mesh_layout import MESH
+from zaya_jax.model.segments import positions_from_segments
+from zaya_jax.parallel import zigzag
+from zaya_jax.parallel.mesh_layout import MESH, ZIGZAG
 from zaya_jax.parallel.axes import MESH_AXES
 from zaya_jax.parallel.rules import named_sharding
 from zaya_jax.train.model_state import init_arrays, model_def
@@ -33,22 +35,24 @@ def _inputs(seed=0):
     return ids, segments, probe
 
 
-def _forward(cfg, layout, params, biases, ids, segments, probe):
+def _forward(cfg, layout, params, biases, ids, segments, probe, positions=None):
     model = model_def(cfg).merge(params, biases)
-    logits = model.logits(model.hidden_states(ids, segments, layout=layout)[0])
+    logits = model.logits(model.hidden_states(ids, segments, positions, layout=layout)[0])
     return jnp.sum(logits * probe), logits
 
 
-def _value_and_grad(cfg, mesh=None):
+def _value_and_grad(cfg, mesh=None, inputs=None, layout=MESH):
     params, biases = init_arrays(cfg, seed=3)
     # Non-trivial biases so that routing is spread over the experts and the skip class.
     biases = {k: jnp.asarray(np.random.default_rng(1).normal(size=v.shape) * 0.05, jnp.float32)
               for k, v in biases.items()}
-    ids, segments, probe = _inputs()
-    fn = jax.value_and_grad(functools.partial(_forward, cfg, LOCAL if mesh is None else MESH), has_aux=True)
+    ids, segments, probe = inputs or _inputs()
+    fn = jax.value_and_grad(functools.partial(_forward, cfg, LOCAL if mesh is None else layout), has_aux=True)
     if mesh is None:
         (_, logits), grads = jax.jit(fn)(params, biases, ids, segments, probe)
         return logits, grads
+    if layout.zigzagged:
+        return _zigzagged(fn, mesh, params, biases, ids, segments, probe)
     md = model_def(cfg)
     shapes = md.param_shapes
     p_sh = {k: named_sharding(a, mesh, shapes[k]) for k, a in md.param_axes.items()}
@@ -62,6 +66,27 @@ def _value_and_grad(cfg, mesh=None):
     (_, logits), grads = jax.jit(traced)(params, biases, jax.device_put(ids, row), jax.device_put(segments, row),
                                          jax.device_put(probe, NamedSharding(mesh, P(*row.spec, None))))
     return logits, grads
+
+
+def _zigzagged(fn, mesh, params, biases, ids, segments, probe):
+    """fn on a zigzag-placed batch (positions carried, as the program places them), logits unplaced."""
+    devices = mesh.shape["tsp"] * mesh.shape["sequence"]
+    place = functools.partial(zigzag.place, devices=devices, zigzag=True, axis=1)
+    positions = np.asarray(positions_from_segments(jnp.asarray(segments)))
+    md = model_def(CFG)
+    p_sh = {k: named_sharding(a, mesh, md.param_shapes[k]) for k, a in md.param_axes.items()}
+    row = named_sharding(("batch", "length"), mesh)
+    params = {k: jax.device_put(v, p_sh[k]) for k, v in params.items()}
+
+    def traced(*args):
+        with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
+            return fn(*args)
+
+    placed = [jax.device_put(place(a), row) for a in (ids, segments)]
+    placed_probe = jax.device_put(place(probe), NamedSharding(mesh, P(*row.spec, None)))
+    (_, logits), grads = jax.jit(traced)(params, biases, *placed, placed_probe,
+                                         jax.device_put(place(positions), row))
+    return zigzag.unplace(np.asarray(logits), devices, True, axis=1), grads
 
 
 @pytest.fixture(scope="module")
@@ -98,3 +123,39 @@ def test_layout_with_pallas_kernels_equals_one_device(single, layout):
     # the experts' grouped matmuls run per device inside the expert dispatch and the TSP ring.
     sizes = {a: layout.get(a, 1) for a in MESH_AXES}
     _assert_equal(_value_and_grad(CFG.replace(**PALLAS), build_mesh(sizes, jax.devices())), single)
+
+
+# Zigzag (parallel/zigzag.py): 2D = 8 chunks of 3 tokens, device p holding chunks p and 7-p.
+# Even rows: documents start exactly at chunk edges 3 and 12 (where chunk 1 takes its halo from
+# device 0, and chunk D from its own device's first chunk) and inside chunks; odd rows: documents
+# run across those edges, so the halos there carry the look-back.
+ZIGZAG_STARTS = ((3, 7, 12, 17), (8, 13, 21))
+
+
+def _zigzag_inputs():
+    ids, _, probe = _inputs(seed=5)
+    starts = np.zeros((BATCH, SEQ), np.int32)
+    for parity, columns in enumerate(ZIGZAG_STARTS):
+        starts[parity::2, list(columns)] = 1
+    return ids, (1 + np.cumsum(starts, axis=1)).astype(np.int32), probe
+
+
+@pytest.fixture(scope="module")
+def single_packed():
+    return _value_and_grad(CFG, inputs=_zigzag_inputs())
+
+
+@pytest.mark.parametrize("layout", [dict(sequence=4, data=2), dict(tsp=2, sequence=2, data=2)],
+                         ids=["sequence4xdata2", "tsp2xsequence2xdata2"])
+def test_zigzag_layout_equals_one_device(single_packed, layout):
+    sizes = {a: layout.get(a, 1) for a in MESH_AXES}
+    mesh = build_mesh(sizes, jax.devices())
+    _assert_equal(_value_and_grad(CFG, mesh, _zigzag_inputs(), ZIGZAG), single_packed)
+
+
+@pytest.mark.slow
+def test_zigzag_layout_with_pallas_attention_equals_one_device(single_packed):
+    # Pallas takes static offsets: one lax.switch branch per device, two kernel calls in each.
+    mesh = build_mesh({a: dict(sequence=4, data=2).get(a, 1) for a in MESH_AXES}, jax.devices())
+    _assert_equal(_value_and_grad(CFG.replace(attention_kernel="pallas"), mesh, _zigzag_inputs(), ZIGZAG),
+                  single_packed)

@@ -74,6 +74,20 @@ def test_layout_trains_like_one_device(single, mesh):
         np.testing.assert_allclose(biases[key], ref_biases[key], atol=1e-6, err_msg=key)
 
 
+def test_zigzag_layout_trains_and_evaluates_like_one_device(single):
+    # tsp4 x data2: 8 zigzag chunks of 4 tokens (placed by the program); the eval step too.
+    overrides = _overrides(tsp=4, data=2)
+    losses, params, _ = _run(overrides, jax.devices())
+    np.testing.assert_allclose(losses, single[0], rtol=2e-5)
+    programs = [build_program(load_experiment(TINY, o), devices=d)
+                for o, d in ((overrides, jax.devices()), (_overrides(), jax.devices()[:1]))]
+    assert [p.zigzagged for p in programs] == [True, False]
+    batch = _batches(seed=1, steps=1)[0]
+    evals = [jax.device_get(p.jitted_eval_step()(single[1], single[2], p.place_eval_batch(batch, 8)))
+             for p in programs]
+    np.testing.assert_allclose(evals[0], evals[1], rtol=2e-5)
+
+
 def test_parameters_are_sharded_as_the_rules_say():
     program = build_program(load_experiment(TINY, _overrides(fsdp=2, expert=4)), devices=jax.devices())
     state = program.init()

@@ -123,7 +123,11 @@ def _fault() -> dict:
 
 def _mesh() -> dict:
     # 1 = unused; one axis may be -1 to take all remaining devices.
-    return dict(data=-1, fsdp=1, expert=1, tsp=1, tensor=1, sequence=1)
+    return dict(data=-1, fsdp=1, expert=1, tsp=1, tensor=1, sequence=1,
+                # With tsp x sequence = D > 1: cut each sequence into 2D chunks, device p holding chunks
+                # p and 2D-1-p, so causal attention costs every device the same (parallel/zigzag.py);
+                # False: D contiguous chunks (the last device attends to D times the keys of the first)
+                zigzag=True)
 
 
 def base_config(preset: str = "tiny_cpu") -> ml_collections.ConfigDict:

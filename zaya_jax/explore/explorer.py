@@ -48,7 +48,7 @@ def candidates(run: Run) -> tuple[list[dict[str, int]], collections.Counter]:
     ok, refused = [], collections.Counter()
     for sizes in layouts(run.devices):
         try:
-            check_layout(sizes, run.cfg, run.micro_batch, run.seq_len)
+            check_layout(sizes, run.cfg, run.micro_batch, run.seq_len, run.zigzag)
         except ZayaError as e:
             refused[str(e).split(": ", 1)[-1]] += 1
             continue

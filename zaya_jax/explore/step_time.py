@@ -5,6 +5,8 @@ Compute: the device's hardware FLOPs (the model's training FLOPs for its tokens,
 its vocabulary (`vocab` rule), plus the
 recomputation the remat policy adds: a block forward under `full`, the attention core under
 `dots`, a block forward but its experts' matmuls under `moe`, and the chunked loss's logits always) over `peak × compute_efficiency`.
+The causal attention core is the busiest sequence device's: the average under `mesh.zigzag`
+(every device the same work, `parallel/zigzag.py`), (2D−1)/D times it with D contiguous chunks.
 
 Communication: per axis, the bytes each collective of our schedules moves (`transfers`),
 priced on the links the axis crosses (`collectives.Network`). FSDP's weight gathers, the
@@ -27,6 +29,7 @@ from zaya_jax.explore import inventory
 from zaya_jax.explore.collectives import Network
 from zaya_jax.explore.placement import Span, spans
 from zaya_jax.explore.workload import Run, Share, share
+from zaya_jax.parallel import zigzag
 from zaya_jax.parallel.axes import BATCH_AXES, SEQUENCE_AXES
 from zaya_jax.parallel.rules import spread_axes
 from zaya_jax.train import flops
@@ -63,7 +66,7 @@ def hardware_flops(run: Run, sizes: dict[str, int], s: Share) -> float:
     split = (flops.attention_projection_params(cfg) + flops.cca_conv_params(cfg) + flops.expert_params(cfg)) / t
     repeated = flops.router_params(cfg)
     head = cfg.vocab_size * cfg.hidden_size / inventory.vocab_split(cfg, sizes)
-    core = flops.attention_flops_per_token(cfg, run.seq_len) / 3 / t  # forward of the attention core
+    core = flops.attention_flops_per_token(cfg, run.seq_len) / 3 / t * _busiest_causal_share(run, sizes)
     block_fwd = cfg.num_hidden_layers * 2 * (split + repeated) + core
     per_token = 3 * block_fwd + 6 * head + 2 * head  # the loss backward recomputes each chunk's logits
     if run.remat == "full":
@@ -73,6 +76,13 @@ def hardware_flops(run: Run, sizes: dict[str, int], s: Share) -> float:
     elif run.remat == "moe":  # all but the experts' matmuls
         per_token += block_fwd - cfg.num_hidden_layers * 2 * flops.expert_params(cfg) / t
     return per_token * s.tokens * run.grad_accum
+
+
+def _busiest_causal_share(run: Run, sizes: dict[str, int]) -> float:
+    """The slowest sequence device sets the step: 1 under zigzag (every device the same causal
+    work), (2D-1)/D with D contiguous chunks (the last one's queries see nearly every key)."""
+    devices = math.prod(sizes[a] for a in SEQUENCE_AXES)
+    return zigzag.busiest_causal_share(devices, zigzag.zigzagged(run.zigzag, devices))
 
 
 def transfers(run: Run, sizes: dict[str, int]) -> list[Transfer]:

@@ -31,12 +31,14 @@ class Run:
     vocab_chunk: int = 16384
     ns_steps: int = 5  # Muon's Newton–Schulz iterations
     zero1: bool = True  # optimizer state split over `data` too (optim.shard_over_data)
+    zigzag: bool = True  # mesh.zigzag: causal attention balanced over the sequence devices
 
     @classmethod
     def from_experiment(cls, exp, hw: HardwareProfile, nodes: int, gpus_per_node: int) -> "Run":
         c = exp.config
         return cls(exp.model, c.train.seq_len, c.train.global_batch_size, c.train.grad_accum_steps, c.train.remat,
-                   hw, nodes, gpus_per_node, c.train.loss_vocab_chunk, c.optim.muon_ns_steps, c.optim.shard_over_data)
+                   hw, nodes, gpus_per_node, c.train.loss_vocab_chunk, c.optim.muon_ns_steps, c.optim.shard_over_data,
+                   c.mesh.zigzag)
 
     @property
     def devices(self) -> int:

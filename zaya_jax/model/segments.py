@@ -42,8 +42,10 @@ def sequence_info(
 ) -> SequenceInfo:
     """Build the masks for lags 0..max_lag once per forward; every layer shares them.
 
-    `index` (int32 [S]) is each column's place in the whole sequence when the rows are a shard of
-    it (with look-back rows in front); token t-j exists where index - j >= 0. Default 0..S-1.
+    `index` (int32 [S], or [B, S] when rows hold different chunks) is each column's place in the
+    whole sequence when the rows are a shard of it (with look-back rows in front); token t-j
+    exists where index - j >= 0. Default 0..S-1. Positions derived from `segment_ids` assume the
+    columns are in sequence order: a permuted (zigzag) batch carries its own.
     """
     batch, seq = shape
     idx = jnp.arange(seq, dtype=jnp.int32) if index is None else index

@@ -1,15 +1,25 @@
 """CCA attention on a mesh with `tsp`, `tensor` or `sequence` > 1: one `shard_map` schedule.
 
-Each device holds activations [B/batch, S/(tsp·sequence), H] (contiguous sequence chunks) and runs
-`model.cca.project` — the single-device math — on whole KV groups:
+Each device holds activations [B/batch, S/(tsp·sequence), H] and runs `model.cca.project` — the
+single-device math — on whole KV groups. Its rows are one contiguous chunk of the sequence, or,
+zigzagged (`mesh.zigzag`, the program's default), two: chunks p and 2D−1−p of 2D, so that causal
+attention costs every device the same. `parallel/zigzag.chunks_of` says which; the schedule
+stacks a device's chunks on the batch dimension, so the layer math sees independent rows.
 
 - **Halo.** CCA's convolutions look (t0-1)+(t1-1) tokens back and the delayed values one token
-  back, so each device takes the last rows of the previous chunk's input from its neighbour
-  (one `ppermute` of x, segment ids and positions), runs the layer on [look-back rows ‖ chunk] and drops
-  the look-back rows. The first chunk's look-back lies before the sequence and is masked as such.
+  back, so each chunk takes the last rows of the chunk before it in the sequence from the
+  device holding it (`zigzag.previous_chunk_routes`: contiguous, one `ppermute` from the left
+  neighbour; zigzagged, the first chunks from the left neighbour's first, the second chunks
+  from the right neighbour's second, and chunk D from chunk D−1 on its own device), each a
+  `ppermute` of x, segment ids and positions. The layer runs on [look-back rows ‖ chunk] with
+  each column's global index (so the masks of the convolutions and delayed values are right)
+  and drops the look-back rows. The first chunk's look-back lies before the sequence and is
+  masked as such.
 - **Sequence (context) parallel.** K and V of every device are all-gathered along the sequence
-  (tiled, in chunk order) and the local queries attend with a causal mask offset by the chunk's
-  place; segment ids are gathered once per layer for the packed-document mask.
+  (tiled, in device order) and put back in sequence order (a static permutation of chunks when
+  zigzagged), and each local chunk's queries attend with a causal mask offset by that chunk's
+  place: one kernel call per local chunk, so the Pallas kernel skips the key blocks past each
+  chunk's diagonal. Segment ids are gathered once per layer for the packed-document mask.
 - **TSP.** Weights are stored 1/D on their hidden dimension (see `parallel/rules.py`). Heads
   are processed in buckets of one KV group: the bucket's weight slices are all-gathered over
   `tsp` (each a plain all-gather; only one bucket is resident at a time), local tokens are
@@ -26,17 +36,20 @@ their owners, dK/dV to the chunk that made them), the look-back `ppermute` to th
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from zaya_jax import kernels
 from zaya_jax.kernels import resolve
 from zaya_jax.model import cca as cca_math
 from zaya_jax.model.segments import sequence_info
+from zaya_jax.parallel import zigzag
 from zaya_jax.parallel.axes import SEQUENCE_AXES
 from zaya_jax.parallel.batch_map import axes_in_context, axis_size, layout_map, row_spec
 from zaya_jax.parallel.rules import entry_axes, keep_axes, partition_spec, spec_axes
@@ -48,69 +61,128 @@ def active() -> bool:
     return bool(axes_in_context(LAYOUT_AXES))
 
 
-def cca(params: dict, x, seq, cfg):
-    """The CCA layer's output [B, S, H] in x's dtype; `params` as `CCAttention.params()`."""
+def cca(params: dict, x, seq, cfg, zigzagged: bool = False):
+    """The CCA layer's output [B, S, H] in x's dtype; `params` as `CCAttention.params()`.
+
+    `zigzagged`: the rows are placed as `parallel/zigzag.py` says, two chunks per device."""
     mesh = jax.sharding.get_abstract_mesh()
     specs = {n: keep_axes(partition_spec(cca_math.PARAM_AXES[n], mesh, p.shape), ("tsp", "tensor"))
              for n, p in params.items()}
     segment_ids = seq.segment_ids if seq.segment_ids is not None else jnp.zeros(seq.positions.shape, jnp.int32)
     rows = row_spec()
-    body = functools.partial(_local_cca, cfg=cfg, specs=specs)
+    body = functools.partial(_local_cca, cfg=cfg, specs=specs, zigzagged=zigzagged)
     mapped = layout_map(body, in_specs=(P(*rows, None), rows, rows, specs), out_specs=P(*rows, None),
                         check_vma=_tracks_vma(cfg))
     return mapped(x, segment_ids, seq.positions, params)
 
 
-def _local_cca(x, segment_ids, positions, params, *, cfg, specs):
+@dataclasses.dataclass(frozen=True)
+class _Chunks:
+    """This device's sequence chunks: which global chunks (`zigzag.chunks_of`), and their size."""
+
+    axes: tuple[str, ...]  # the sequence-like axes that split the sequence (empty: it is whole)
+    devices: int
+    zigzagged: bool
+    size: int  # tokens per chunk
+    rank: object  # this device's index over `axes` (traced; 0 when whole)
+
+    @property
+    def slots(self) -> int:
+        return zigzag.chunks_per_device(self.zigzagged)
+
+    def ids(self, device=None) -> tuple:
+        return zigzag.chunks_of(self.rank if device is None else device, self.devices, self.zigzagged)
+
+
+def _local_cca(x, segment_ids, positions, params, *, cfg, specs, zigzagged: bool):
     if _tracks_vma(cfg):
         params = _varying(params, specs)
     seq_axes = tuple(a for a in SEQUENCE_AXES if axis_size(a) > 1)
-    chunk = x.shape[1]
-    rank = jax.lax.axis_index(seq_axes) if seq_axes else 0
-    x, info, look_back = _with_look_back(x, segment_ids, positions, cfg, seq_axes, rank)
+    devices = math.prod(axis_size(a) for a in seq_axes)
+    on = zigzagged and bool(seq_axes)
+    chunks = _Chunks(seq_axes, devices, on, x.shape[1] // (2 if on else 1),
+                     jax.lax.axis_index(seq_axes) if seq_axes else 0)
+    # A device's chunks are stacked on the batch dim, [chunks·B, size, ...]: the layer math sees
+    # independent rows, each with its own look-back.
+    x, segment_ids, positions = (_by_chunk(a, chunks.slots) for a in (x, segment_ids, positions))
+    x, info, look_back = _with_look_back(x, segment_ids, positions, cfg, chunks)
     local_segments = info.segment_ids[:, look_back:]
-    key_segments = jax.lax.all_gather(local_segments, seq_axes, axis=1, tiled=True) if seq_axes else None
+    key_segments = _gather_keys(local_segments, chunks) if seq_axes else None
 
     def attend(q, k, v):
         if not seq_axes:
             return kernels.flash_attention(q, k, v, segment_ids=local_segments, backend=cfg.attention_kernel)
-        k, v = (jax.lax.all_gather(t, seq_axes, axis=1, tiled=True) for t in (k, v))
-        return _offset_attention(q, k, v, local_segments, key_segments, rank, chunk, cfg.attention_kernel)
+        k, v = (_gather_keys(t, chunks) for t in (k, v))
+        return _offset_attention(q, k, v, local_segments, key_segments, chunks, cfg.attention_kernel)
 
     w, first, groups = _device_groups(params, specs, cfg, x.dtype)
     bucket = 1 if axis_size("tsp") > 1 else groups  # TSP: one KV group's weights resident at a time
-    out = jnp.zeros((x.shape[0], chunk, x.shape[2]), jnp.float32)
+    out = jnp.zeros((x.shape[0], chunks.size, x.shape[2]), jnp.float32)
     for start in range(0, groups, bucket):
         wb = _gather_bucket(cca_math.select_groups(w, start, bucket, cfg), specs)
         attn = attend(*cca_math.project(x, wb, info, cfg, first + start, drop=look_back))
         out = out + jnp.einsum("bsnd,ndh->bsh", attn, wb["wo"], preferred_element_type=jnp.float32)
     if axis_size("tensor") > 1:
         out = jax.lax.psum(out, "tensor")
-    return out.astype(x.dtype)
+    return _from_chunks(out, chunks.slots).astype(x.dtype)
 
 
-def _offset_attention(q, k, v, segments, key_segments, rank, chunk, backend):
-    """Local queries (chunk `rank`) against all keys. Pallas shapes its loops by the offset, so it
-    gets one static branch per chunk; the others take the traced offset."""
-    def at(offset):
-        return kernels.flash_attention(q, k, v, segment_ids=segments, kv_segment_ids=key_segments,
-                                       q_offset=offset, backend=backend)
+def _by_chunk(a, slots: int):
+    """[B, slots·C, ...] → [slots·B, C, ...]: local chunk s is rows s·B … (s+1)·B − 1."""
+    if slots == 1:
+        return a
+    b, length = a.shape[:2]
+    a = a.reshape(b, slots, length // slots, *a.shape[2:])
+    return jnp.moveaxis(a, 1, 0).reshape(slots * b, length // slots, *a.shape[3:])
+
+
+def _from_chunks(a, slots: int):
+    """The inverse of `_by_chunk`."""
+    if slots == 1:
+        return a
+    b, size = a.shape[0] // slots, a.shape[1]
+    return jnp.moveaxis(a.reshape(slots, b, size, *a.shape[2:]), 0, 1).reshape(b, slots * size, *a.shape[2:])
+
+
+def _gather_keys(t, chunks: _Chunks):
+    """Every device's rows of t [slots·B, C, ...] all-gathered along the sequence, in sequence
+    order (the attention kernels index keys by sequence position: that is how they skip blocks)."""
+    t = jax.lax.all_gather(_from_chunks(t, chunks.slots), chunks.axes, axis=1, tiled=True)
+    if not chunks.zigzagged:
+        return t
+    order = np.argsort(zigzag.chunk_order(chunks.devices, chunks.zigzagged))
+    b = t.shape[0]
+    return t.reshape(b, len(order), chunks.size, *t.shape[2:])[:, order].reshape(t.shape)
+
+
+def _offset_attention(q, k, v, segments, key_segments, chunks: _Chunks, backend):
+    """Each local chunk's queries against all keys, causally offset by the chunk's place in the
+    sequence. Pallas shapes its loops by the offset, so it gets one static branch per device;
+    the others take the traced offsets."""
+    b = q.shape[0] // chunks.slots
+
+    def on(device):
+        return jnp.concatenate([
+            kernels.flash_attention(q[s * b:(s + 1) * b], k, v, segment_ids=segments[s * b:(s + 1) * b],
+                                    kv_segment_ids=key_segments, q_offset=chunk * chunks.size, backend=backend)
+            for s, chunk in enumerate(chunks.ids(device))], axis=0)
 
     if resolve("attention", backend) != "pallas":
-        return at(rank * chunk)
-    chunks = k.shape[1] // chunk
-    return jax.lax.switch(rank, [lambda r=r: at(r * chunk) for r in range(chunks)])
+        return on(None)
+    return jax.lax.switch(chunks.rank, [functools.partial(on, d) for d in range(chunks.devices)])
 
 
-def _with_look_back(x, segment_ids, positions, cfg, seq_axes, rank):
-    """[previous chunk's last rows ‖ this chunk] of x, and its SequenceInfo with global indices
-    (the first chunk's look-back rows lie before the sequence: nothing looks back into it)."""
-    chunk = x.shape[1]
-    look_back = cca_math.look_back(cfg) if seq_axes else 0
-    if seq_axes:
-        x, segment_ids, positions = (jnp.concatenate([_from_previous(a[:, -look_back:], seq_axes), a], axis=1)
+def _with_look_back(x, segment_ids, positions, cfg, chunks: _Chunks):
+    """[previous chunk's last rows ‖ chunk] of x for each local chunk, and its SequenceInfo with
+    global indices (the first chunk's look-back rows lie before the sequence: nothing looks back
+    into it)."""
+    look_back = cca_math.look_back(cfg) if chunks.axes else 0
+    if chunks.axes:
+        x, segment_ids, positions = (jnp.concatenate([_from_previous(a[:, -look_back:], chunks), a], axis=1)
                                      for a in (x, segment_ids, positions))
-    index = rank * chunk - look_back + jnp.arange(chunk + look_back, dtype=jnp.int32)
+    starts = jnp.stack([jnp.asarray(c, jnp.int32) * chunks.size for c in chunks.ids()])
+    index = starts[:, None] - look_back + jnp.arange(chunks.size + look_back, dtype=jnp.int32)
+    index = jnp.repeat(index, x.shape[0] // chunks.slots, axis=0)  # one row of indices per batch row
     return x, sequence_info(x.shape[:2], segment_ids, positions, cca_math.max_lag(cfg), index), look_back
 
 
@@ -158,8 +230,17 @@ def _pvary(x, axes):
     return jax.lax.pvary(x, axes)
 
 
-def _from_previous(rows, axes):
-    """Each chunk receives the previous chunk's `rows`; the first chunk receives zeros."""
-    size = math.prod(axis_size(a) for a in axes)
-    return jax.lax.ppermute(rows, axes, [(i, i + 1) for i in range(size - 1)])
-
+def _from_previous(rows, chunks: _Chunks):
+    """Each local chunk's rows [slots·B, n, ...] replaced by those of the chunk before it in the
+    sequence (`zigzag.previous_chunk_routes`); the sequence's first chunk receives zeros."""
+    b = rows.shape[0] // chunks.slots
+    mine = [rows[s * b:(s + 1) * b] for s in range(chunks.slots)]
+    got = [jnp.zeros_like(m) for m in mine]
+    for route in zigzag.previous_chunk_routes(chunks.devices, chunks.zigzagged):
+        source = mine[route.source_slot]
+        if route.pairs:
+            got[route.slot] = got[route.slot] + jax.lax.ppermute(source, chunks.axes, list(route.pairs))
+        if route.local:
+            here = jnp.isin(chunks.rank, jnp.asarray(route.local))
+            got[route.slot] = jnp.where(here, source, got[route.slot])
+    return jnp.concatenate(got, axis=0)

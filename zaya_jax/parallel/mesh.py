@@ -4,7 +4,8 @@ Axes, always all six and in this order: `data` (replicated parameters), `fsdp` (
 optimizer state sharded, ZeRO-3 style), `expert` (experts sharded, tokens dispatched), `tsp`
 (folded tensor + sequence parallelism), `tensor` (Megatron), `sequence` (context parallel); see
 `parallel/rules.py` for where each puts the weights. Size 1 means unused; one axis may be -1 and
-takes the devices the others leave. `check_layout` says in words what a layout cannot do.
+takes the devices the others leave. `check_layout` says in words what a layout cannot do
+(with `mesh.zigzag`, each sequence is cut into two chunks per sequence device: `parallel/zigzag.py`).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from jax.sharding import AxisType, Mesh
 from zaya_jax.config import ModelConfig
 from zaya_jax.errors import ZayaError
 from zaya_jax.model.cca import look_back
+from zaya_jax.parallel import zigzag as zigzag_layout
 from zaya_jax.parallel.axes import BATCH_AXES, MESH_AXES, PLACEMENT, SEQUENCE_AXES
 
 
@@ -43,16 +45,20 @@ def _describe(sizes: dict[str, int]) -> str:
     return "(" + (", ".join(used) or "all axes 1") + ")"
 
 
-def check_layout(sizes: dict[str, int], model: ModelConfig, micro_batch: int, seq_len: int) -> None:
-    """Everything a layout needs of the model, batch and sequence, said in words (first failure)."""
-    message = _first_problem(sizes, model, micro_batch, seq_len)
+def check_layout(sizes: dict[str, int], model: ModelConfig, micro_batch: int, seq_len: int,
+                 zigzag: bool = True) -> None:
+    """Everything a layout needs of the model, batch and sequence, said in words (first failure);
+    `zigzag` as `mesh.zigzag`."""
+    message = _first_problem(sizes, model, micro_batch, seq_len, zigzag)
     if message:
         raise ZayaError(f"mesh {_describe(sizes)}: {message}")
 
 
-def _first_problem(sizes, model: ModelConfig, micro_batch: int, seq_len: int) -> str | None:
+def _first_problem(sizes, model: ModelConfig, micro_batch: int, seq_len: int, zigzag: bool) -> str | None:
     readers = math.prod(sizes[a] for a in BATCH_AXES)
-    chunks = math.prod(sizes[a] for a in SEQUENCE_AXES)
+    devices = math.prod(sizes[a] for a in SEQUENCE_AXES)
+    zigzagged = zigzag_layout.zigzagged(zigzag, devices)
+    chunks = devices * zigzag_layout.chunks_per_device(zigzagged)
     tsp, tensor = sizes["tsp"], sizes["tensor"]
     rows = look_back(model)
     checks = [
@@ -74,13 +80,18 @@ def _first_problem(sizes, model: ModelConfig, micro_batch: int, seq_len: int) ->
         (model.hidden_size % (sizes["fsdp"] * tsp) == 0,
          f"model.hidden_size ({model.hidden_size}) is not divisible by mesh.fsdp x mesh.tsp "
          f"({sizes['fsdp'] * tsp}): FSDP and TSP store every weight split on its hidden dimension"),
-        (seq_len % chunks == 0,
+        (zigzagged or seq_len % chunks == 0,
          f"train.seq_len ({seq_len}) is not divisible by mesh.tsp x mesh.sequence ({chunks}), "
          "the number of chunks each sequence is cut into"),
+        (not zigzagged or seq_len % chunks == 0,
+         f"train.seq_len ({seq_len}) is not divisible by 2 x mesh.tsp x mesh.sequence ({chunks}): zigzag cuts "
+         f"each sequence into two chunks per sequence device for causal balance; use a multiple of {chunks} "
+         "or set mesh.zigzag=False"),
         (chunks == 1 or seq_len // chunks >= rows,
-         f"train.seq_len / (mesh.tsp x mesh.sequence) = {seq_len // chunks} tokens per chunk is shorter than "
-         f"CCA's look-back of {rows} tokens; use fewer sequence chunks or longer sequences"),
-        (chunks == 1 or model.attention_kernel != "cudnn",
+         f"train.seq_len / ({'2 x ' if zigzagged else ''}mesh.tsp x mesh.sequence) = {seq_len // chunks} tokens "
+         f"per chunk is shorter than CCA's look-back of {rows} tokens; use fewer sequence chunks or longer "
+         "sequences"),
+        (devices == 1 or model.attention_kernel != "cudnn",
          "model.attention_kernel=cudnn takes no causal offset for sequence-sharded queries (mesh.tsp or "
          "mesh.sequence > 1); use model.attention_kernel=pallas or xla"),
     ]
@@ -96,8 +107,9 @@ def build_mesh(sizes: dict[str, int], devices=None) -> Mesh:
     return Mesh(grid, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES))
 
 
-def mesh_for(requested: dict[str, int], model: ModelConfig, micro_batch: int, seq_len: int, devices=None) -> Mesh:
+def mesh_for(requested: dict[str, int], model: ModelConfig, micro_batch: int, seq_len: int, devices=None,
+             zigzag: bool = True) -> Mesh:
     devices = list(devices if devices is not None else jax.devices())
     sizes = resolve_axis_sizes(requested, len(devices))
-    check_layout(sizes, model, micro_batch, seq_len)
+    check_layout(sizes, model, micro_batch, seq_len, zigzag)
     return build_mesh(sizes, devices)

@@ -5,9 +5,13 @@
 `batch_map.run_kernel` (Pallas kernels shard_mapped over the batch and sequence axes), and looks
 up the embedding. Each asks
 the mesh it is traced under (`Program` traces under its own) which axes are split.
+`zigzagged` says that the batch's sequence is placed zigzag (`parallel/zigzag.py`): the program
+that permuted the batch builds its layout with it, so the schedules know where each chunk sits.
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import jax
 import jax.numpy as jnp
@@ -18,9 +22,14 @@ from zaya_jax.parallel import attention_layout, experts_layout
 from zaya_jax.parallel.batch_map import rows_held_whole_over, run_kernel
 
 
+@dataclasses.dataclass(frozen=True)
 class MeshLayout(Layout):
+    zigzagged: bool = False  # each device holds chunks p and 2D-1-p of the sequence, not chunk p
+
     def attention(self, params, x, seq, cfg):
-        return attention_layout.cca(params, x, seq, cfg) if attention_layout.active() else None
+        if not attention_layout.active():
+            return None
+        return attention_layout.cca(params, x, seq, cfg, zigzagged=self.zigzagged)
 
     def experts(self, x, routing, gate, up, down, backend):
         if not experts_layout.active(backend):
@@ -40,3 +49,4 @@ class MeshLayout(Layout):
 
 
 MESH = MeshLayout()
+ZIGZAG = MeshLayout(zigzagged=True)

@@ -11,16 +11,23 @@ of its mesh's devices. Its steps are traced under that target, so `auto` kernels
 interpret mode and block sizes follow the devices the program runs on, never a global probe.
 A program built on CPU devices for target `cuda` or `rocm` cannot run, but it can be lowered
 for that GPU (`lower_train_step`, `tools/lower_for_gpu.py`): the Pallas → Triton check on CPU.
+
+With the sequence split (`tsp` x `sequence` > 1) and `mesh.zigzag` on, the program places every
+batch zigzag (`parallel/zigzag.py`): `place_batch` and `place_eval_batch` permute the columns of
+every batch key (positions and segment ids included) once, on the host, and the model's layout
+knows it (`MeshLayout.zigzagged`). The loss and metrics are sums over tokens: order-free.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 import time
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from zaya_jax.errors import ZayaError
@@ -28,7 +35,9 @@ from zaya_jax.config import KERNEL_FIELDS
 from zaya_jax.experiment import Experiment, load_experiment
 from zaya_jax.kernels.registry import device_target, resolve, targeting
 from zaya_jax.parallel.mesh import mesh_for
-from zaya_jax.parallel.mesh_layout import MESH
+from zaya_jax.parallel import zigzag
+from zaya_jax.parallel.axes import SEQUENCE_AXES
+from zaya_jax.parallel.mesh_layout import MeshLayout
 from zaya_jax.parallel.muon_spread import spread_matrices
 from zaya_jax.parallel.replicas import reduce_once
 from zaya_jax.parallel.rules import data_split_dim, named_sharding, split_over_data
@@ -51,6 +60,8 @@ class Program:
         c = self.exp.config
         self.target = self.target or self.devices_target
         self.data_split = self._data_split()
+        self.sequence_devices = math.prod(self.mesh.shape[a] for a in SEQUENCE_AXES)
+        self.zigzagged = zigzag.zigzagged(c.mesh.zigzag, self.sequence_devices)
         # Muon's matrices start and end where their optimizer state lives.
         held = {k: (s.spec, self.modeldef.param_shapes[k]) for k, s in self.optimizer_shardings().items()}
         self.tx, self.schedule = build_optimizer(c.optim, c.train.steps, self.modeldef.param_axes,
@@ -58,7 +69,8 @@ class Program:
         self.balance_tx = balancing.balancer(c.optim.balance_lr, c.optim.balance_b1, c.optim.balance_b2)
         # The mesh's schedules run the layers; they look at which axes are split when traced.
         self.step_cfg = StepConfig(remat=c.train.remat, scan_layers=c.train.scan_layers,
-                                   scan_unroll=c.train.scan_unroll, vocab_chunk=c.train.loss_vocab_chunk, layout=MESH,
+                                   scan_unroll=c.train.scan_unroll, vocab_chunk=c.train.loss_vocab_chunk,
+                                   layout=MeshLayout(zigzagged=self.zigzagged),
                                    loss=token_loss,
                                    guard=bad_steps.GuardSettings.from_config(c.fault),
                                    reduction=self._reduction())
@@ -246,20 +258,30 @@ class Program:
         return self.jitted_eval_step().trace(state.params, state.biases, self.abstract_batch(size)).lower().compile()
 
     def place_batch(self, batch: dict) -> dict:
-        """This process's rows of a train step (`data_lanes()` order) → global [A, micro, S] arrays."""
+        """This process's rows of a train step (`data_lanes()` order) → global [A, micro, S] arrays,
+        the sequence in device order (`_placed`)."""
         c = self.exp.config.train
         shape = (c.grad_accum_steps, self.micro_batch, c.seq_len)
         rows = self.local_rows(self.micro_batch)
         sharding = self.batch_sharding()
-        local = {k: v.reshape(c.grad_accum_steps, len(rows), *v.shape[1:]) for k, v in batch.items()}
+        local = {k: v.reshape(c.grad_accum_steps, len(rows), *v.shape[1:])
+                 for k, v in self._placed(batch).items()}
         return {k: _global_array(local[k], shape, sharding, rows, 1) for k in BATCH_KEYS}
 
     def place_eval_batch(self, batch: dict, size: int) -> dict:
-        """This process's rows (`local_rows(size)` order) of a [size, S] held-out batch → global arrays."""
+        """This process's rows (`local_rows(size)` order) of a [size, S] held-out batch → global arrays,
+        the sequence in device order (`_placed`)."""
         shape = (size, self.exp.config.train.seq_len)
         rows = self.local_rows(size)
         sharding = self.batch_sharding(accumulated=False)
-        return {k: _global_array(batch[k], shape, sharding, rows, 0) for k in BATCH_KEYS}
+        placed = self._placed(batch)
+        return {k: _global_array(placed[k], shape, sharding, rows, 0) for k in BATCH_KEYS}
+
+    def _placed(self, batch: dict) -> dict:
+        """The batch with its sequence columns in device order: zigzag, or as they are."""
+        if not self.zigzagged:
+            return batch
+        return {k: zigzag.place(np.asarray(v), self.sequence_devices, True) for k, v in batch.items()}
 
 
 def _global_array(local, shape, sharding, rows: list[int], row_dim: int):
@@ -278,7 +300,7 @@ def build_program(exp: Experiment, devices=None, target: str | None = None) -> P
     """The program of `exp` on `devices` (default all), its kernels built for `target` (default theirs)."""
     c = exp.config
     micro = c.train.global_batch_size // c.train.grad_accum_steps
-    mesh = mesh_for(dict(c.mesh), exp.model, micro, c.train.seq_len, devices)
+    mesh = mesh_for(dict(c.mesh), exp.model, micro, c.train.seq_len, devices, zigzag=c.mesh.zigzag)
     return Program(exp, mesh, model_def(exp.model), target)
 
 
