@@ -52,7 +52,7 @@ def _value_and_grad(cfg, mesh=None, inputs=None, layout=MESH):
         (_, logits), grads = jax.jit(fn)(params, biases, ids, segments, probe)
         return logits, grads
     if layout.zigzagged:
-        return _zigzagged(fn, mesh, params, biases, ids, segments, probe)
+        return _zigzagged(fn, cfg, mesh, params, biases, ids, segments, probe)
     md = model_def(cfg)
     shapes = md.param_shapes
     p_sh = {k: named_sharding(a, mesh, shapes[k]) for k, a in md.param_axes.items()}
@@ -68,12 +68,12 @@ def _value_and_grad(cfg, mesh=None, inputs=None, layout=MESH):
     return logits, grads
 
 
-def _zigzagged(fn, mesh, params, biases, ids, segments, probe):
+def _zigzagged(fn, cfg, mesh, params, biases, ids, segments, probe):
     """fn on a zigzag-placed batch (positions carried, as the program places them), logits unplaced."""
     devices = mesh.shape["tsp"] * mesh.shape["sequence"]
     place = functools.partial(zigzag.place, devices=devices, zigzag=True, axis=1)
     positions = np.asarray(positions_from_segments(jnp.asarray(segments)))
-    md = model_def(CFG)
+    md = model_def(cfg)
     p_sh = {k: named_sharding(a, mesh, md.param_shapes[k]) for k, a in md.param_axes.items()}
     row = named_sharding(("batch", "length"), mesh)
     params = {k: jax.device_put(v, p_sh[k]) for k, v in params.items()}
@@ -159,3 +159,30 @@ def test_zigzag_layout_with_pallas_attention_equals_one_device(single_packed):
     mesh = build_mesh({a: dict(sequence=4, data=2).get(a, 1) for a in MESH_AXES}, jax.devices())
     _assert_equal(_value_and_grad(CFG.replace(attention_kernel="pallas"), mesh, _zigzag_inputs(), ZIGZAG),
                   single_packed)
+
+
+# Hybrid models (model.layer_pattern): a linear-attention layer (LASP-2 under tsp and sequence,
+# with the retention decay) before a CCA layer, on the packed documents above.
+HYBRID = CFG.replace(layer_pattern="LC", linear_decay="retention")
+
+
+@pytest.fixture(scope="module")
+def single_hybrid():
+    return _value_and_grad(HYBRID, inputs=_zigzag_inputs())
+
+
+@pytest.mark.parametrize("layout, placement", [
+    (dict(sequence=4, data=2), ZIGZAG), (dict(tsp=2, sequence=2, data=2), ZIGZAG), (dict(tsp=8), MESH),
+    (dict(tensor=2, sequence=4), MESH), (dict(tsp=2, fsdp=2, expert=2), ZIGZAG), (dict(expert=4, data=2), MESH),
+], ids=lambda v: "x".join(f"{k}{n}" for k, n in v.items()) if isinstance(v, dict) else
+    ("zigzag" if v.zigzagged else "contiguous"))
+def test_hybrid_layout_equals_one_device(single_hybrid, layout, placement):
+    sizes = {a: layout.get(a, 1) for a in MESH_AXES}
+    mesh = build_mesh(sizes, jax.devices())
+    _assert_equal(_value_and_grad(HYBRID, mesh, _zigzag_inputs(), placement), single_hybrid)
+
+
+def test_hybrid_layout_with_the_pallas_linear_kernel_equals_one_device(single_hybrid):
+    mesh = build_mesh({a: dict(sequence=4, data=2).get(a, 1) for a in MESH_AXES}, jax.devices())
+    _assert_equal(_value_and_grad(HYBRID.replace(linear_kernel="pallas"), mesh, _zigzag_inputs(), ZIGZAG),
+                  single_hybrid)

@@ -77,37 +77,44 @@ def test_a_chunk_that_does_not_divide_the_sequence_is_named():
         la.chunked(q, k, v, chunk=4)
 
 
+@pytest.mark.parametrize("zigzag", [False, True])
 @pytest.mark.parametrize("length,decay,doc_prob", [(64, False, None), (64, True, 0.1), (256, True, 0.02)])
-def test_lasp2_on_8_devices_equals_the_reference_with_one_state_all_gather(length, decay, doc_prob):
+def test_lasp2_on_8_devices_equals_the_reference_with_one_state_all_gather(length, decay, doc_prob, zigzag):
     import re
 
     from jax.sharding import Mesh, PartitionSpec as P
 
+    from zaya_jax.parallel import zigzag as zz
     from zaya_jax.parallel.lasp2 import lasp2
 
     devices = 8
     q, k, v, segments, log_decay = _inputs(2, length, 4, 2, 8, 8, doc_prob, seed=5)
     segments = jnp.zeros((2, length), jnp.int32) if segments is None else segments
     log_decay = log_decay if decay else None
-    ends = segments[:, length // devices - 1::length // devices]  # [B, W]: each chunk's last token
     mesh = Mesh(np.array(jax.devices()[:devices]), ("sequence",))
     rows = P(None, "sequence")
-    schedule = jax.shard_map(lambda q, k, v, s, e: lasp2(q, k, v, s, e, axis="sequence", log_decay=log_decay),
-                             mesh=mesh, in_specs=(rows, rows, rows, rows, P()), out_specs=rows)
+    schedule = jax.shard_map(
+        lambda q, k, v, s: lasp2(q, k, v, s, axis="sequence", devices=devices, zigzag=zigzag, log_decay=log_decay),
+        mesh=mesh, in_specs=(rows,) * 4, out_specs=rows)
     probe = jax.random.normal(jax.random.PRNGKey(3), (2, length, 4, 8))
+    place = lambda x: zz.place(x, devices, zigzag, axis=1)  # noqa: E731
 
-    def loss(fn, q, k, v):
-        return jnp.sum(fn(q, k, v) * probe)
+    def loss(fn, q, k, v, s):
+        return jnp.sum(fn(q, k, v, s) * probe)
 
-    got = lambda q, k, v: schedule(q, k, v, segments, ends)  # noqa: E731
-    ref = lambda q, k, v: la.reference(q, k, v, segments, log_decay=log_decay)  # noqa: E731
-    np.testing.assert_allclose(jax.jit(got)(q, k, v), ref(q, k, v), rtol=1e-4, atol=1e-5)
+    got = lambda q, k, v, s: zz.unplace(schedule(place(q), place(k), place(v), place(s)), devices, zigzag, axis=1)  # noqa: E731
+    ref = lambda q, k, v, s: la.reference(q, k, v, s, log_decay=log_decay)  # noqa: E731
+    np.testing.assert_allclose(jax.jit(got)(q, k, v, segments), ref(q, k, v, segments), rtol=1e-4, atol=1e-5)
     grad = jax.jit(jax.grad(lambda *a: loss(got, *a), (0, 1, 2)))
-    for name, g, w in zip("qkv", grad(q, k, v), jax.grad(lambda *a: loss(ref, *a), (0, 1, 2))(q, k, v)):
+    wanted = jax.grad(lambda *a: loss(ref, *a), (0, 1, 2))(q, k, v, segments)
+    for name, g, w in zip("qkv", grad(q, k, v, segments), wanted):
         np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-4, err_msg=f"d{name}")
-    # Forward: one all-gather of the [B, nk, g, dk, dv] states, the same bytes at 4x the sequence;
-    # backward: its transpose, one reduce-scatter.
-    hlo = grad.lower(q, k, v).compile().as_text()
+    # Forward: one all-gather of the [chunks, B, nk, g, dk, dv] states (and one of the chunks' last
+    # segment ids), the same bytes at 4x the sequence; backward: its transpose, one reduce-scatter.
+    hlo = grad.lower(q, k, v, segments).compile().as_text()
     gathers = re.findall(r"= (f32\[[\d,]+\])\S* all-gather\(", hlo)
+    int_gathers = re.findall(r"= (s32\[[\d,]+\])\S* all-gather\(", hlo)
     scatters = re.findall(r"= (f32\[[\d,]+\])\S* reduce-scatter\(", hlo)
-    assert gathers == ["f32[2,8,2,2,8,8]"] and len(scatters) == 1, (gathers, scatters)
+    chunks = devices * (2 if zigzag else 1)
+    assert gathers == [f"f32[{chunks},2,2,2,8,8]"] and len(scatters) == 1, (gathers, scatters)
+    assert int_gathers == [f"s32[{chunks},2]"], int_gathers

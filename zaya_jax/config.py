@@ -18,8 +18,9 @@ from zaya_jax.kernels.registry import check_name as check_kernel_name
 COMPUTE_DTYPES = ("float32", "bfloat16")
 # Fields that choose how the model is computed, not what it is: they are not in HF's config,
 # and a checkpoint may be resumed with different values.
-COMPUTE_FIELDS = ("compute_dtype", "attention_kernel", "moe_kernel", "norm_kernel")
-KERNEL_FIELDS = {"attention_kernel": "attention", "moe_kernel": "grouped_matmul", "norm_kernel": "rms_norm"}
+COMPUTE_FIELDS = ("compute_dtype", "attention_kernel", "moe_kernel", "norm_kernel", "linear_kernel")
+KERNEL_FIELDS = {"attention_kernel": "attention", "moe_kernel": "grouped_matmul", "norm_kernel": "rms_norm",
+                 "linear_kernel": "linear_attention"}
 # Not in HF either, but what the model is: hybrid layers (HF's ZAYA has CCA layers only).
 HYBRID_FIELDS = ("layer_pattern", "linear_feature_map", "linear_decay")
 LAYER_KINDS = {"C": "CCA", "L": "linear attention"}
@@ -62,6 +63,7 @@ class ModelConfig:
     attention_kernel: str = "auto"
     moe_kernel: str = "auto"  # the experts' grouped matmul
     norm_kernel: str = "auto"  # RMSNorm
+    linear_kernel: str = "auto"  # hybrid models' linear attention
     # Not in HF: hybrid models (model/linear_attn.py). The layer kinds, a pattern repeated over the
     # depth: "C" = CCA, "L" = linear attention ("LLLC": three linear layers, then one CCA).
     layer_pattern: str = "C"

@@ -104,27 +104,24 @@ def chunk_state(k, v, segment_ids, log_decay, nq: int):
     return jnp.einsum("ngt,bt,btnd,btne->bngde", to_end, last_doc, k.astype(jnp.float32), v.astype(jnp.float32))
 
 
-def entering_states(own, ends, log_decay, nq: int, chunk: int):
+def entering_states(own, ends, log_decay, nq: int, chunk: int, rows=None):
     """The state entering each chunk from the chunks' own states `own` [B, n, nk, g, dk, dv] and their
     last tokens' segment ids `ends` [B, n]: M_{c−1} = Σ_{j<c} λ^(C·(c−1−j)) own_j while every chunk
     after j continues j's last document. A masked sum over the n chunks, no scan, so a device that
-    holds one chunk can take its own row after one all-gather of the states (LASP-2)."""
+    holds some chunks computes just their `rows` (int [r], may be traced; default every chunk) after
+    one all-gather of the states (LASP-2). → [B, r, nk, g, dk, dv]."""
     count, nk = own.shape[1], own.shape[2]
+    c = (jnp.arange(count) if rows is None else jnp.asarray(rows))[:, None]
+    j = jnp.arange(count)[None, :]
     # continues[b, i]: chunk i's last document is chunk i−1's (no document starts in it).
     continues = jnp.concatenate([jnp.zeros_like(ends[:, :1], bool), ends[:, 1:] == ends[:, :-1]], axis=1)
     starts = jnp.cumsum(~continues, axis=1)  # documents started up to and including each chunk
-    c, j = jnp.arange(count)[:, None], jnp.arange(count)[None, :]
-    # reach[b, c, j]: chunk j is before c and no chunk between them starts a document.
-    reach = (j < c)[None] & (_started_between(starts) == 0)
+    started_before_c = jnp.where(c > 0, jnp.take(starts, jnp.maximum(c - 1, 0)[:, 0], axis=1)[:, :, None], 0)
+    # reach[b, c, j]: chunk j is before c and no chunk between them (j+1 .. c−1) starts a document.
+    reach = (j < c)[None] & (started_before_c - starts[:, None, :] == 0)
     decay = jnp.exp(_rates(log_decay, nk, nq)[None, None] * (chunk * jnp.maximum(c - 1 - j, 0))[..., None, None])
-    weights = jnp.where(reach[..., None, None], decay, 0.0)  # [B, c, j, nk, g]
+    weights = jnp.where(reach[..., None, None], decay, 0.0)  # [B, r, n, nk, g]
     return jnp.einsum("bcjng,bjngde->bcngde", weights, own)
-
-
-def _started_between(starts):
-    """[B, c, j]: documents started in chunks j+1 .. c−1 (starts is the cumulative count per chunk)."""
-    before_c = jnp.concatenate([jnp.zeros_like(starts[:, :1]), starts[:, :-1]], axis=1)  # started in chunks < c
-    return before_c[:, :, None] - starts[:, None, :]
 
 
 def from_state(q, entering, segment_ids, previous_end, log_decay):

@@ -1,7 +1,8 @@
 """Linear attention, the `L` layers of a hybrid ZAYA (`model.layer_pattern`), in place of CCA.
 
     q = φ(x Wq)·d^-½,  k = φ(x Wk),  v = x Wv          (GQA: nq query heads, nk KV heads)
-    o_t = Σ_{s ≤ t, same document} λ_h^(t−s) (q_t · k_s) v_s   (`kernels.linear_attention`)
+    o_t = Σ_{s ≤ t, same document} λ_h^(t−s) (q_t · k_s) v_s   (`kernels.ops.linear_attention`,
+                                                               `model.linear_kernel`'s backend)
     y = (RMSNorm_head(o) ⊙ w_norm) ⊙ silu(x Wg),  out = y Wo
 
 φ is `model.linear_feature_map` (elu(x)+1 as in Katharopoulos et al., silu, or none); λ_h is
@@ -23,7 +24,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from zaya_jax.config import ModelConfig
-from zaya_jax.kernels import linear_attention as la
+from zaya_jax.kernels import ops as kernel_ops
 from zaya_jax.model.layout import LOCAL, Layout
 from zaya_jax.model.params import constant, make_param, normal
 from zaya_jax.model.segments import SequenceInfo
@@ -59,8 +60,13 @@ class LinearAttention(nnx.Module):
         w = group_major(self.params(), self.cfg, x.dtype)
         q, k, v = project(x, w, self.cfg)
         segment_ids = seq.segment_ids if seq.segment_ids is not None else jnp.zeros(x.shape[:2], jnp.int32)
-        attn = la.chunked(q, k, v, segment_ids, log_decay=w["log_decay"], chunk=chunk_size(x.shape[1]))
-        return output(attn, x, w, self.cfg)
+        backend, decay = self.cfg.linear_kernel, w["log_decay"]
+
+        def attend(q, k, v, segment_ids):
+            return kernel_ops.linear_attention(q, k, v, segment_ids, log_decay=decay, backend=backend)
+
+        attn = layout.run_kernel("linear_attention", backend, attend, (q, k, v, segment_ids))
+        return output(attn, x, w, self.cfg).astype(x.dtype)
 
 
 def log_decay(cfg: ModelConfig) -> jax.Array | None:
@@ -102,17 +108,8 @@ def project(x: jax.Array, w: dict, cfg: ModelConfig):
 
 
 def output(attn: jax.Array, x: jax.Array, w: dict, cfg: ModelConfig) -> jax.Array:
-    """[B, S, H] in x's dtype (fp32 sums): the per-head norm, the gate and Wo of the attention output."""
+    """fp32 [B, S, H]: the per-head norm, the gate and Wo of the attention output (of the heads `w` holds)."""
     a = attn.astype(jnp.float32)
     a = a * jax.lax.rsqrt(jnp.mean(a * a, axis=-1, keepdims=True) + cfg.rms_norm_eps) * w["out_norm"]
     gate = jax.nn.silu(jnp.einsum("bsh,hnd->bsnd", x, w["wg"], preferred_element_type=jnp.float32))
-    return jnp.einsum("bsnd,ndh->bsh", (a * gate).astype(x.dtype), w["wo"],
-                      preferred_element_type=jnp.float32).astype(x.dtype)
-
-
-def chunk_size(length: int, largest: int = 64) -> int:
-    """The chunk of the chunked form: the largest power of two ≤ `largest` that divides the length."""
-    chunk = largest
-    while length % chunk:
-        chunk //= 2
-    return chunk
+    return jnp.einsum("bsnd,ndh->bsh", (a * gate).astype(x.dtype), w["wo"], preferred_element_type=jnp.float32)

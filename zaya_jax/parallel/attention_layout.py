@@ -96,7 +96,7 @@ class _Chunks:
 
 def _local_cca(x, segment_ids, positions, params, *, cfg, specs, zigzagged: bool):
     if _tracks_vma(cfg):
-        params = _varying(params, specs)
+        params = varying_weights(params, specs)
     seq_axes = tuple(a for a in SEQUENCE_AXES if axis_size(a) > 1)
     devices = math.prod(axis_size(a) for a in seq_axes)
     on = zigzagged and bool(seq_axes)
@@ -104,7 +104,7 @@ def _local_cca(x, segment_ids, positions, params, *, cfg, specs, zigzagged: bool
                      jax.lax.axis_index(seq_axes) if seq_axes else 0)
     # A device's chunks are stacked on the batch dim, [chunks·B, size, ...]: the layer math sees
     # independent rows, each with its own look-back.
-    x, segment_ids, positions = (_by_chunk(a, chunks.slots) for a in (x, segment_ids, positions))
+    x, segment_ids, positions = (zigzag.by_chunk(a, chunks.slots) for a in (x, segment_ids, positions))
     x, info, look_back = _with_look_back(x, segment_ids, positions, cfg, chunks)
     local_segments = info.segment_ids[:, look_back:]
     key_segments = _gather_keys(local_segments, chunks) if seq_axes else None
@@ -124,30 +124,13 @@ def _local_cca(x, segment_ids, positions, params, *, cfg, specs, zigzagged: bool
         out = out + jnp.einsum("bsnd,ndh->bsh", attn, wb["wo"], preferred_element_type=jnp.float32)
     if axis_size("tensor") > 1:
         out = jax.lax.psum(out, "tensor")
-    return _from_chunks(out, chunks.slots).astype(x.dtype)
-
-
-def _by_chunk(a, slots: int):
-    """[B, slots·C, ...] → [slots·B, C, ...]: local chunk s is rows s·B … (s+1)·B − 1."""
-    if slots == 1:
-        return a
-    b, length = a.shape[:2]
-    a = a.reshape(b, slots, length // slots, *a.shape[2:])
-    return jnp.moveaxis(a, 1, 0).reshape(slots * b, length // slots, *a.shape[3:])
-
-
-def _from_chunks(a, slots: int):
-    """The inverse of `_by_chunk`."""
-    if slots == 1:
-        return a
-    b, size = a.shape[0] // slots, a.shape[1]
-    return jnp.moveaxis(a.reshape(slots, b, size, *a.shape[2:]), 0, 1).reshape(b, slots * size, *a.shape[2:])
+    return zigzag.from_chunks(out, chunks.slots).astype(x.dtype)
 
 
 def _gather_keys(t, chunks: _Chunks):
     """Every device's rows of t [slots·B, C, ...] all-gathered along the sequence, in sequence
     order (the attention kernels index keys by sequence position: that is how they skip blocks)."""
-    t = jax.lax.all_gather(_from_chunks(t, chunks.slots), chunks.axes, axis=1, tiled=True)
+    t = jax.lax.all_gather(zigzag.from_chunks(t, chunks.slots), chunks.axes, axis=1, tiled=True)
     if not chunks.zigzagged:
         return t
     order = np.argsort(zigzag.chunk_order(chunks.devices, chunks.zigzagged))
@@ -212,7 +195,7 @@ def _gather_bucket(wb: dict, specs: dict) -> dict:
     return out
 
 
-def _varying(params: dict, specs: dict) -> dict:
+def varying_weights(params: dict, specs: dict) -> dict:
     """Mark each weight as device-varying over the axes it is replicated on, so that the backward
     sums its gradient once at weight size, and not as the activation-sized broadcasts the weight
     enters (where autodiff would otherwise put that sum: an all-reduce of [B, S, heads, d])."""

@@ -1,6 +1,7 @@
 """The model's `Layout` on a device mesh: attention, experts and kernels run by the layout schedules.
 
-`MeshLayout` routes each layer to `attention_layout` (tsp, tensor or sequence split), to
+`MeshLayout` routes each layer to `attention_layout` (CCA) or `linear_layout` (linear attention,
+LASP-2) when tsp, tensor or sequence split it, to
 `experts_layout` (any split axis: each device sorts only its own tokens), to
 `batch_map.run_kernel` (Pallas kernels shard_mapped over the batch and sequence axes), and looks
 up the embedding. Each asks
@@ -18,7 +19,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from zaya_jax.model.layout import Layout
-from zaya_jax.parallel import attention_layout, experts_layout
+from zaya_jax.parallel import attention_layout, experts_layout, linear_layout
 from zaya_jax.parallel.batch_map import rows_held_whole_over, run_kernel
 
 
@@ -30,6 +31,11 @@ class MeshLayout(Layout):
         if not attention_layout.active():
             return None
         return attention_layout.cca(params, x, seq, cfg, zigzagged=self.zigzagged)
+
+    def linear_attention(self, params, x, seq, cfg):
+        if not attention_layout.active():
+            return None
+        return linear_layout.linear(params, x, seq, cfg, zigzagged=self.zigzagged)
 
     def experts(self, x, routing, gate, up, down, backend):
         if not experts_layout.active(backend):

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import jax.numpy as jnp
 import numpy as np
 
 
@@ -33,6 +34,24 @@ def chunks_of(device, devices: int, zigzag: bool) -> tuple:
     if zigzag:
         return device, 2 * devices - 1 - device
     return (device,)
+
+
+def by_chunk(a, slots: int):
+    """Local rows [B, slots·C, ...] → [slots·B, C, ...]: local chunk s is rows s·B … (s+1)·B − 1, so
+    per-row math sees each chunk as its own row."""
+    if slots == 1:
+        return a
+    b, length = a.shape[:2]
+    a = a.reshape(b, slots, length // slots, *a.shape[2:])
+    return jnp.moveaxis(a, 1, 0).reshape(slots * b, length // slots, *a.shape[3:])
+
+
+def from_chunks(a, slots: int):
+    """The inverse of `by_chunk`."""
+    if slots == 1:
+        return a
+    b, size = a.shape[0] // slots, a.shape[1]
+    return jnp.moveaxis(a.reshape(slots, b, size, *a.shape[2:]), 0, 1).reshape(b, slots * size, *a.shape[2:])
 
 
 def chunk_order(devices: int, zigzag: bool) -> np.ndarray:
