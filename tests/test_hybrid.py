@@ -122,3 +122,21 @@ def test_a_hybrid_model_has_no_hugging_face_form():
     with pytest.raises(ZayaError, match="linear-attention layers, which Hugging Face's ZAYA does not have"):
         to_hf_dict(CFG)
     assert to_hf_dict(CFG.replace(layer_pattern="C"))["model_type"] == "zaya"
+
+
+def test_zaya_jax_load_reads_a_hybrid_checkpoint_and_to_hf_refuses_it_in_one_line(tmp_path, capsys):
+    import zaya_jax
+    from zaya_jax.checkpoint import orbax_store
+    from zaya_jax.cli import main
+
+    m = Zaya(CFG, rngs=nnx.Rngs(0))
+    arrays = {k: np.asarray(v) for k, v in per_layer(flat_arrays(m), CFG.layer_kinds).items()}
+    ckpt = str(tmp_path / "hybrid")
+    orbax_store.save_groups(ckpt, CFG, [arrays])
+    loaded = zaya_jax.load(ckpt)
+    assert loaded.cfg.layer_pattern == "LLC"
+    np.testing.assert_array_equal(loaded(IDS, SEGMENTS), m(IDS, SEGMENTS))
+    assert main(["convert", "to-hf", f"--ckpt={ckpt}", f"--out={tmp_path}/hf", "--quiet"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "has no linear-attention layers, so it has no HF form" in err[0], err
+    assert not (tmp_path / "hf").exists() and not (tmp_path / "hf.partial").exists()

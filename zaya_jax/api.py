@@ -8,11 +8,11 @@ from zaya_jax.errors import ZayaError
 
 
 def load(path: str, compute_dtype: str = "float32", *, attention_kernel: str = "auto", moe_kernel: str = "auto",
-         norm_kernel: str = "auto"):
+         norm_kernel: str = "auto", linear_kernel: str = "auto"):
     """Return a `Zaya` model; call it as `model(input_ids, segment_ids=None, positions=None)`.
 
-    `path` is either a checkpoint written by `zaya convert from-hf` (or training), or an HF
-    directory with `config.json` and `*.safetensors`. Wrap the call in `flax.nnx.jit` for speed.
+    `path` is either a checkpoint written by `zaya convert from-hf` (or training; hybrid models
+    with linear-attention layers too, `linear_kernel` choosing their backend), or an HF directory with `config.json` and `*.safetensors`. Wrap the call in `flax.nnx.jit` for speed.
     The kernel backends are those of `model.*_kernel` (`zaya_jax.kernels.registry`), e.g.
     `attention_kernel="cudnn"` on NVIDIA for rows without segment ids; a backend that needs an XLA
     flag (`moe_kernel="cudnn"` or `"hipblaslt"`) gets it here, so load before anything starts JAX.
@@ -23,7 +23,8 @@ def load(path: str, compute_dtype: str = "float32", *, attention_kernel: str = "
     from zaya_jax.kernels import registry, xla_flags
     from zaya_jax.model.state import build_model, expected_shapes
 
-    kernels = dict(attention_kernel=attention_kernel, moe_kernel=moe_kernel, norm_kernel=norm_kernel)
+    kernels = dict(attention_kernel=attention_kernel, moe_kernel=moe_kernel, norm_kernel=norm_kernel,
+                   linear_kernel=linear_kernel)
     for field, kernel in KERNEL_FIELDS.items():
         registry.check_name(kernel, kernels[field], where=field)
     xla_flags.require(kernels)  # before the checkpoint is read: that starts JAX

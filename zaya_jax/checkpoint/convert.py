@@ -75,6 +75,9 @@ def to_hf(ckpt: str, out: str, dtype: str = "float32", max_shard_bytes: int = DE
     if os.path.exists(out) and (not os.path.isdir(out) or os.listdir(out)):
         raise ZayaError(f"{out} already exists and is not empty; choose a new --out directory")
     cfg = orbax_store.read_config(ckpt)
+    if cfg.is_hybrid:
+        raise ZayaError(f"{ckpt} holds a hybrid model (model.layer_pattern={cfg.layer_pattern!r}) and Hugging Face's "
+                        "ZAYA has no linear-attention layers, so it has no HF form; read it with zaya_jax.load")
     shapes = check_stored(ckpt, cfg)
     rules = list(hf_mapping.rules(cfg))
     specs = [(name, _export_dtype(name, dtype), shape)

@@ -17,6 +17,10 @@ E=num_experts, I=moe_intermediate_size, R=router_hidden_size, V=vocab_size:
 
     dense     = 6 · P                                  (2 FLOPs per MAC; backward = 2 × forward)
     attention = 3 · L · (4 · seq_len · nq · d) / 2     (QKᵀ and AV, fwd+bwd, causal halved)
+
+    A hybrid model's linear-attention layers (`model.layer_pattern` L) count their projections
+    H·nq·d + 2·H·nk·d + H·nq·d + nq·d·H (q, k, v, gate, out) in place of CCA's projections and
+    convs, and 3 · 4·nq·d² attention FLOPs per token (q·M and kᵀv of the recurrence; no seq_len).
     total     = dense + attention
 
     MFU = total · tokens_per_sec / (num_devices · peak_tflops · 1e12)
@@ -69,16 +73,32 @@ def expert_params(cfg: ModelConfig) -> int:
     return 3 * cfg.hidden_size * cfg.moe_intermediate_size
 
 
+def linear_projection_params(cfg: ModelConfig) -> int:
+    h, nq, nk, d = cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+    # A linear-attention layer's q, k, v, output gate and output projection.
+    return h * nq * d + 2 * h * nk * d + h * nq * d + nq * d * h
+
+
+def mixer_params(cfg: ModelConfig) -> int:
+    """Token-mixer matmul weights per token summed over the layers (CCA's or linear attention's)."""
+    kinds = cfg.layer_kinds
+    cca = attention_projection_params(cfg) + cca_conv_params(cfg)
+    return kinds.count("C") * cca + kinds.count("L") * linear_projection_params(cfg)
+
+
 def matmul_params_per_token(cfg: ModelConfig) -> int:
     """Matmul weights touched per token (= MACs per token, forward), LM head included."""
-    per_layer = attention_projection_params(cfg) + cca_conv_params(cfg) + router_params(cfg) + expert_params(cfg)
-    return cfg.num_hidden_layers * per_layer + cfg.vocab_size * cfg.hidden_size
+    per_layer = router_params(cfg) + expert_params(cfg)
+    return cfg.num_hidden_layers * per_layer + mixer_params(cfg) + cfg.vocab_size * cfg.hidden_size
 
 
 def attention_flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
-    """Causal attention-core training FLOPs per token: 3 · L · 4·S·nq·d / 2."""
-    forward = 4 * seq_len * cfg.num_attention_heads * cfg.head_dim / 2  # QKᵀ + AV, half masked
-    return 3.0 * cfg.num_hidden_layers * forward
+    """Attention-core training FLOPs per token: 3 · L_C · 4·S·nq·d / 2 for the CCA layers (causal),
+    and 3 · L_L · 4·nq·d² for the linear ones (the recurrence's q·M and kᵀv: no S)."""
+    causal = 4 * seq_len * cfg.num_attention_heads * cfg.head_dim / 2  # QKᵀ + AV, half masked
+    linear = 4 * cfg.num_attention_heads * cfg.head_dim ** 2
+    kinds = cfg.layer_kinds
+    return 3.0 * (kinds.count("C") * causal + kinds.count("L") * linear)
 
 
 def training_flops_per_token(cfg: ModelConfig, seq_len: int) -> TrainingFlops:

@@ -373,7 +373,7 @@ class _Run:
         if self.ledger is not None:
             self.summary["goodput"] = self.ledger.summary()
         if timer:
-            _report(self.out, self.summary, self.workdir)
+            _report(self.out, self.summary, self.workdir, hf_exportable=not self.exp.model.is_hybrid)
         return self.summary
 
 
@@ -479,7 +479,7 @@ def _banner(out, exp: Experiment, program: Program, data: DataPipeline, workdir:
     out.flush()
 
 
-def _report(out, summary: dict, workdir: str) -> None:
+def _report(out, summary: dict, workdir: str, hf_exportable: bool = True) -> None:
     eval_text = f", held-out {summary['eval_loss']:.4f}" if summary["eval_loss"] is not None else ""
     print(f"done: loss {summary['first_loss']:.4f} → {summary['last_loss']:.4f}{eval_text}; "
           f"{summary['tokens_per_sec']:.0f} tokens/s; {summary['wall_sec']:.0f}s wall", file=out)
@@ -489,4 +489,5 @@ def _report(out, summary: dict, workdir: str) -> None:
     print(f"  metrics     {os.path.join(workdir, 'metrics.jsonl')} (events: events.jsonl; zaya report {workdir})",
           file=out)
     print(f"  tensorboard tensorboard --logdir {os.path.join(workdir, 'tensorboard')}", file=out)
-    print(f"  model       {summary['model_dir']} (zaya_jax.load or zaya convert to-hf)", file=out, flush=True)
+    readers = "zaya_jax.load or zaya convert to-hf" if hf_exportable else "zaya_jax.load; a hybrid model has no HF form"
+    print(f"  model       {summary['model_dir']} ({readers})", file=out, flush=True)
