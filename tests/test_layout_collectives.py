@@ -132,3 +132,60 @@ def test_expert_parallel_dispatch_is_all_gather_and_reduce_scatter():
     _, experts, x, ints, floats = _abstract(mesh)
     written, compiled, _ = _collectives(_experts(mesh), x, ints, floats, *experts)
     assert written == compiled == {"all_gather": 3, "reduce_scatter": 1}  # tokens, choices, weights; outputs
+
+
+HYBRID = CFG.replace(layer_pattern="LC", linear_decay="retention")
+
+
+def _linear(mesh, length, zigzagged):
+    from zaya_jax.model.linear_attn import PARAM_AXES as LINEAR_AXES, LinearAttention
+    from zaya_jax.parallel import linear_layout
+
+    row = named_sharding(("batch", "length"), mesh)
+    params = {n: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=named_sharding(LINEAR_AXES[n], mesh, v.shape))
+              for n, v in LinearAttention(HYBRID, rngs=nnx.Rngs(0)).params().items()}
+    x = jax.ShapeDtypeStruct((B, length, CFG.hidden_size), jnp.float32, sharding=NamedSharding(mesh, P(*row.spec, None)))
+    ints = jax.ShapeDtypeStruct((B, length), jnp.int32, sharding=row)
+
+    def layer(params, x, segments):
+        with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
+            return linear_layout.linear(params, x, sequence_info((B, length), segments, None, 1), HYBRID,
+                                        zigzagged=zigzagged)
+    return layer, (params, x, ints)
+
+
+def _state_gathers(fn, args):
+    """The compiled float all-gathers' result shapes (the memory states')."""
+    return re.findall(r"= (f32\[[\d,]+\])\S* all-gather(?:-start)?\(", jax.jit(fn).lower(*args).compile().as_text())
+
+
+@pytest.mark.parametrize("zigzagged", [False, True], ids=["contiguous", "zigzag"])
+def test_lasp2_exchanges_one_state_all_gather_per_linear_layer_whatever_the_length(zigzagged):
+    mesh = _mesh(sequence=8)
+    layer, args = _linear(mesh, S, zigzagged)
+    written, _, _ = _collectives(layer, *args)
+    # One all-gather of every chunk's states and one of their last segment ids; no K/V, no permute.
+    assert written == {"all_gather": 2}
+    written, compiled, _ = _collectives(_grad(layer, (0, 1)), *args)
+    # The backward: the states' gather transposed to one reduce-scatter; the replicated weights'
+    # gradients summed once (XLA combines them).
+    assert written["reduce_scatter"] == 1 and written["all_gather"] == 2 and "collective_permute" not in written
+    assert compiled.get("all_reduce", 0) == 1
+    chunks = 8 * (2 if zigzagged else 1)
+    nk, g, d = CFG.num_key_value_heads, CFG.kv_groups, CFG.head_dim
+    state = f"f32[{chunks},{B},{nk},{g},{d},{d}]"
+    assert _state_gathers(layer, args) == [state]
+    longer_layer, longer = _linear(mesh, 4 * S, zigzagged)
+    assert _state_gathers(longer_layer, longer) == [state]  # the same bytes at 4x the sequence
+
+
+def test_tsp_linear_attention_gathers_each_weight_slice_once_and_never_all_reduces_activations():
+    mesh = _mesh(tsp=8)
+    layer, args = _linear(mesh, S, zigzagged=True)
+    buckets = CFG.num_key_value_heads
+    written, compiled, _ = _collectives(layer, *args)
+    # Per bucket: wq, wk, wv before the exchange, wg and wo after it; once: the states and their ends.
+    assert written == {"all_gather": buckets * 5 + 2}
+    assert "all_reduce" not in compiled
+    written, _, _ = _collectives(_grad(layer, (0, 1)), *args)
+    assert written["reduce_scatter"] == buckets * 5 + 1 and "collective_permute" not in written
