@@ -25,6 +25,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from zaya_jax.kernels.pallas_dot import fp32_dot
 from zaya_jax.kernels.tuning import AttentionBlocks, blocks_for
 
 LOG2E = math.log2(math.e)
@@ -48,9 +49,7 @@ class _Plan:
     precision: lax.Precision | None
 
     def dot(self, a, b, contract=(1, 0)):
-        """fp32-accumulated 2-D product contracting a's dim contract[0] with b's dim contract[1]."""
-        dims = (((contract[0],), (contract[1],)), ((), ()))
-        return lax.dot_general(a, b, dims, precision=self.precision, preferred_element_type=jnp.float32)
+        return fp32_dot(a, b, contract, self.precision)
 
     def mask(self, q_idx, k_idx, q_seg, k_seg):
         """[bq, bk] visibility, or None when everything is visible."""

@@ -37,6 +37,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from zaya_jax.kernels.linear_attention import pad_rows
+from zaya_jax.kernels.pallas_dot import fp32_dot
 from zaya_jax.kernels.tuning import LinearAttentionBlocks, blocks_for
 
 
@@ -50,9 +51,7 @@ class _Plan:
     precision: lax.Precision | None
 
     def dot(self, a, b, contract=(1, 0)):
-        """fp32-accumulated 2-D product contracting a's dim contract[0] with b's dim contract[1]."""
-        dims = (((contract[0],), (contract[1],)), ((), ()))
-        return lax.dot_general(a, b, dims, precision=self.precision, preferred_element_type=jnp.float32)
+        return fp32_dot(a, b, contract, self.precision)
 
     def call(self, kernel, grid, in_specs, args, out_specs, out_shape):
         return pl.pallas_call(
