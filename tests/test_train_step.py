@@ -166,3 +166,24 @@ def test_bf16_layout_trains_like_one_device(single_bf16, mesh):
     np.testing.assert_allclose(losses[0], single_bf16[0], rtol=1e-5)  # the forward: bf16 matmuls, fp32 loss
     np.testing.assert_allclose(losses[1], single_bf16[1], rtol=2e-3)  # after a step (measured: 5e-4 at most)
     assert losses[1] < losses[0] - 0.5
+
+
+HYBRID = ["--config.model.layer_pattern=LC", "--config.model.linear_decay=retention"]
+
+
+@pytest.fixture(scope="module")
+def single_hybrid():
+    return _run(_overrides() + HYBRID, jax.devices()[:1])
+
+
+@pytest.mark.parametrize("mesh", [dict(sequence=4, data=2), dict(tsp=4, data=2), dict(tensor=2, sequence=2, fsdp=2)],
+                         ids=str)
+def test_hybrid_model_trains_like_one_device(single_hybrid, mesh):
+    # A linear-attention layer (LASP-2, zigzag placement) before a CCA layer.
+    losses, params, _ = _run(_overrides(**mesh) + HYBRID, jax.devices())
+    ref_losses, ref_params, _ = single_hybrid
+    np.testing.assert_allclose(losses, ref_losses, rtol=2e-5)
+    assert losses[-1] < losses[0]
+    assert ref_params["layers/linear_attn/wq"].shape[0] == 1  # one L layer, stacked apart from CCA's
+    for key in ref_params:
+        np.testing.assert_allclose(params[key], ref_params[key], rtol=1e-3, atol=2e-5, err_msg=key)
