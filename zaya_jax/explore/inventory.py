@@ -56,8 +56,8 @@ class StateBytes:
 
 
 def _part(path: str) -> str:
-    for key, part in (("/attn/", "attention"), ("/linear_attn/", "attention"), ("/experts/", "experts"), ("/router/", "router"),
-                      ("embedding", "embedding")):
+    for key, part in (("/attn/", "attention"), ("/linear_attn/", "attention"), ("/experts/", "experts"),
+                      ("/router/", "router"), ("embedding", "embedding")):
         if key in path:
             return part
     return "other"
