@@ -120,9 +120,6 @@ def run(args, overrides: list[str]) -> int:
     if args.global_batch:
         overrides.append(f"--config.train.global_batch_size={args.global_batch}")
     exp = load_experiment(args.config, overrides)
-    if exp.model.is_hybrid:
-        raise ZayaError(f"zaya mesh does not price linear-attention layers yet (model.layer_pattern="
-                        f"{exp.model.layer_pattern!r}); explore the all-CCA model with --config.model.layer_pattern=C")
     question = Run.from_experiment(exp, hw, args.nodes, args.gpus_per_node)
     predictions = explore(question, Network(hw, curves))
     shown = predictions[: args.top or None]

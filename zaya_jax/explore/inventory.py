@@ -1,7 +1,8 @@
 """Per-device bytes of parameters, gradients and optimizer state for a layout: exact, from the model.
 
-The model's own parameter table (shapes and logical axes, from a 1-layer copy: the blocks are
-stored stacked, one row of each block weight per layer) goes through the one sharding rules table
+The model's own parameter table (shapes and logical axes, from a copy one layer pattern deep: the
+blocks are stored stacked, one row of each block weight per layer that has it: a token mixer's
+per layer of its kind, `layer_stack.entry_layers`) goes through the one sharding rules table
 (`parallel/rules.py`) with the layout's axis sizes, and through the optimizer partition
 (`train/optim.py`): Muon keeps one fp32 momentum per parameter, AdamW two fp32 moments, split
 over `data` as well under ZeRO-1 where the program finds them a dimension. So the
@@ -18,7 +19,7 @@ import types
 import jax.numpy as jnp
 
 from zaya_jax.config import ModelConfig
-from zaya_jax.model.layer_stack import LAYER_AXIS, is_stacked
+from zaya_jax.model.layer_stack import LAYER_AXIS, entry_kind, entry_layers, is_stacked
 from zaya_jax.model.params import PARAM_DTYPE
 from zaya_jax.parallel import muon_spread
 from zaya_jax.parallel.rules import data_split_dim, partition_spec, spec_axes
@@ -36,10 +37,11 @@ class ParamGroup:
     path: str  # the model's path, e.g. layers/attn/wq (then shape/axes are one layer's)
     shape: tuple[int, ...]
     axes: tuple[str, ...]
-    count: int
+    count: int  # stacked: the layers that hold it (a mixer's: those of its kind)
     optimizer: str  # "muon" | "adamw"
     view: MatrixView | None  # how Muon reads it as a batch of matrices
     part: str  # "attention" | "experts" | "router" | "embedding" | "other": for the schedules' buffers
+    kind: str | None = None  # a token mixer's layer kind ("C" CCA, "L" linear attention); None: every layer's
 
     @property
     def elements(self) -> int:
@@ -54,8 +56,8 @@ class StateBytes:
 
 
 def _part(path: str) -> str:
-    for key, part in (("/attn/", "attention"), ("/experts/", "experts"), ("/router/", "router"),
-                      ("embedding", "embedding")):
+    for key, part in (("/attn/", "attention"), ("/linear_attn/", "attention"), ("/experts/", "experts"),
+                      ("/router/", "router"), ("embedding", "embedding")):
         if key in path:
             return part
     return "other"
@@ -66,21 +68,28 @@ def param_groups(cfg: ModelConfig) -> tuple[ParamGroup, ...]:
     """Every parameter of the model as groups of identical ones (shape, axes, optimizer)."""
     from zaya_jax.train.model_state import model_def
 
-    small = model_def(cfg.replace(num_hidden_layers=1))
+    small = model_def(cfg.replace(num_hidden_layers=len(cfg.layer_pattern)))  # every kind has a row
     shapes, axes = small.param_shapes, small.param_axes
     groups = []
     for path, shape in shapes.items():
-        shape, path_axes, count = tuple(shape), tuple(axes[path]), 1
-        if is_stacked(path):  # one block's weight, stored once per layer
-            shape, path_axes, count = shape[1:], path_axes[1:], cfg.num_hidden_layers
+        shape, path_axes, count, kind = tuple(shape), tuple(axes[path]), 1, None
+        if is_stacked(path):  # one block's weight, stored once per layer that has it
+            shape, path_axes = shape[1:], path_axes[1:]
+            count, kind = entry_layers(path, cfg.layer_kinds), entry_kind(path)
         rule = rule_for(path)
-        groups.append(ParamGroup(path, shape, path_axes, count, rule.optimizer, rule.view, _part(path)))
+        groups.append(ParamGroup(path, shape, path_axes, count, rule.optimizer, rule.view, _part(path), kind))
     return tuple(groups)
 
 
-def block_groups(cfg: ModelConfig) -> list[ParamGroup]:
-    """The parameters of one (repeated) block."""
-    return [g for g in param_groups(cfg) if is_stacked(g.path)]
+def block_groups(cfg: ModelConfig, kind: str | None = None) -> list[ParamGroup]:
+    """The stacked (per-layer) parameters; with `kind`, those of one block of that layer kind:
+    the parts every layer has and that kind's token mixer."""
+    return [g for g in param_groups(cfg) if is_stacked(g.path) and (kind is None or g.kind in (None, kind))]
+
+
+def mixer_groups(cfg: ModelConfig, kind: str) -> list[ParamGroup]:
+    """One layer kind's token-mixer parameters (CCA's `layers/attn/*`, linear attention's `layers/linear_attn/*`)."""
+    return [g for g in param_groups(cfg) if g.kind == kind]
 
 
 @functools.lru_cache(maxsize=65536)

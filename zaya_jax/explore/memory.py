@@ -1,12 +1,14 @@
 """Predicted per-device memory of a layout's train step: state (exact) plus activations (modelled).
 
 Parameters, gradients and optimizer state come from `inventory` (exact sizes). Activations are
-counted tensor by tensor for one CCA + MoE block (Korthikanti-style, `reference/mesh_explorer.md`
-§4.1, with ZAYA1's own widths), then scaled by the remat policy:
+counted tensor by tensor for one block of each layer kind — CCA + MoE, or in a hybrid model
+linear attention + MoE (Korthikanti-style, `reference/mesh_explorer.md` §4.1, with ZAYA1's own
+widths) — summed over the layers of each kind, then scaled by the remat policy:
 
 * none: every block keeps all its activations for the backward, the inputs of its matmuls
-  included: TSP's gathered attention buckets and the K/V gathered along the sequence (FSDP's
-  gathered weights XLA gathers again in the backward: not kept);
+  included: TSP's gathered attention buckets and, along the sequence, a CCA layer's gathered K/V
+  or a linear layer's gathered LASP-2 states (FSDP's gathered weights XLA gathers again in the
+  backward: not kept);
 * full: every block keeps its fp32 input and router state; one block at a time is recomputed;
 * dots: every block keeps its matmul outputs; the rest of one block is recomputed at a time.
 * moe: every block keeps its input and the MoE's sorted tokens and grouped-matmul outputs.
@@ -14,8 +16,8 @@ counted tensor by tensor for one CCA + MoE block (Korthikanti-style, `reference/
 The backward of the block being differentiated holds about as much again (its gradients). Added
 on top: the chunked loss ([tokens, chunk] fp32 logits, probabilities and their gradient, plus the
 fp32 final hidden states), the schedules' buffers (FSDP's gathered layer and embedding, TSP's
-gathered attention bucket and ring slices, EP's gathered tokens, the K/V gathered along the
-sequence), the accumulated gradients when there are several micro-batches, Muon's Newton–Schulz
+gathered attention bucket and ring slices, EP's gathered tokens, the K/V or the linear layers'
+memory states gathered along the sequence), the accumulated gradients when there are several micro-batches, Muon's Newton–Schulz
 temporaries, and the step's input arrays. `HEADROOM` of the HBM is kept free for the framework,
 collective scratch and fragmentation.
 """
@@ -26,7 +28,9 @@ import dataclasses
 import math
 
 from zaya_jax.explore import inventory
-from zaya_jax.explore.workload import Run, Share, share
+from zaya_jax.explore.workload import Run, Share, lasp2_state_bytes, share
+from zaya_jax.kernels.ops import XLA_CHUNK
+from zaya_jax.model.layer_stack import MIXERS
 
 HEADROOM = 0.10
 F32 = 4
@@ -51,7 +55,7 @@ def usable_bytes(run: Run) -> float:
 
 
 def attention_bytes(run: Run, s: Share) -> dict[str, float]:
-    """Per token, the attention half of a block: what it keeps for the backward."""
+    """Per token, the attention half of a CCA block: what it keeps for the backward."""
     cfg, b = run.cfg, run.compute_bytes
     d, qk = cfg.head_dim, (s.heads + s.kv_heads) * cfg.head_dim
     parts = {
@@ -67,6 +71,37 @@ def attention_bytes(run: Run, s: Share) -> dict[str, float]:
     return parts
 
 
+def linear_bytes(run: Run, s: Share) -> dict[str, float]:
+    """Per token, the linear-attention half of a hybrid block (`model/linear_attn.py`): what it
+    keeps for the backward. No convs, no K/V gathered; the kernel keeps nothing under Pallas (its
+    backward rebuilds the states), the chunked `xla` form its [C, C] scores and per-chunk states."""
+    cfg, b, h = run.cfg, run.compute_bytes, run.cfg.hidden_size
+    q, kv = s.heads * cfg.head_dim, s.kv_heads * cfg.head_dim
+    parts = {
+        "input": h * F32 + h * b,  # residual in, normed copy
+        "projections": (q + 2 * kv) * b,  # x·Wq, x·Wk, x·Wv
+        "feature_map": (q + kv) * b,  # φ(q)·d^-½, φ(k)
+        "attention_out": q * b + 2 * q * F32 + h * F32,  # o, fp32 o and its head norm, y·Wo (fp32)
+        "gate": 2 * q * F32 + q * b,  # x·Wg (fp32), its silu, the gated product
+        "merge": h * F32,
+    }
+    backend = run.backend("linear_attention", cfg.linear_kernel)
+    if backend == "xla":  # scores and weights per chunk; each chunk's own and entering state
+        parts["chunks"] = 2 * s.heads * XLA_CHUNK * F32 + 2 * s.heads * cfg.head_dim ** 2 * F32 / XLA_CHUNK
+    elif backend == "reference":  # the quadratic form: [S, S] weights, like unfused attention
+        parts["scores"] = 2 * s.heads * s.keys * F32 / 2
+    return parts
+
+
+MIXER_BYTES = {"C": attention_bytes, "L": linear_bytes}  # per layer kind (`ModelConfig.layer_kinds`)
+
+
+def over_layers(run: Run, per_kind) -> float:
+    """Σ over the layer kinds of (that kind's layer count) · per_kind(kind)."""
+    kinds = run.cfg.layer_kinds
+    return sum(kinds.count(kind) * per_kind(kind) for kind in MIXERS if kind in kinds)
+
+
 def moe_bytes(run: Run, s: Share) -> dict[str, float]:
     """Per token, the MoE half of a block (EP keeps `dispatch`× rows: the gathered tokens)."""
     cfg, b = run.cfg, run.compute_bytes
@@ -79,17 +114,25 @@ def moe_bytes(run: Run, s: Share) -> dict[str, float]:
     }
 
 
-def matmul_outputs_bytes(run: Run, s: Share) -> float:
-    """Per token, what the `dots` policy keeps: the plain matmuls' outputs."""
+def matmul_outputs_bytes(run: Run, s: Share, kind: str = "C") -> float:
+    """Per token, what the `dots` policy keeps of a block of this kind: the plain matmuls' outputs."""
     cfg, b = run.cfg, run.compute_bytes
     qk = (s.heads + s.kv_heads) * cfg.head_dim
-    attention = qk * b + s.kv_heads * cfg.head_dim * b + cfg.hidden_size * b
+    if kind == "L":  # q, k, v in the compute dtype; the gate and Wo accumulate in fp32
+        attention = (qk + s.kv_heads * cfg.head_dim) * b + s.heads * cfg.head_dim * F32 + cfg.hidden_size * F32
+    else:
+        attention = qk * b + s.kv_heads * cfg.head_dim * b + cfg.hidden_size * b
     moe = 4 * cfg.router_hidden_size * F32 + s.dispatch * (2 * s.expert_width * b + cfg.hidden_size * F32)
     return attention + moe
 
 
-def block_bytes_per_token(run: Run, s: Share) -> float:
-    return sum(attention_bytes(run, s).values()) + sum(moe_bytes(run, s).values())
+def block_bytes_per_token(run: Run, s: Share, kind: str = "C") -> float:
+    return sum(MIXER_BYTES[kind](run, s).values()) + sum(moe_bytes(run, s).values())
+
+
+def largest_block_per_token(run: Run, s: Share) -> float:
+    """Per token, the largest block of the model's layer kinds (the backward holds one at a time)."""
+    return max(block_bytes_per_token(run, s, kind) for kind in MIXERS if kind in run.cfg.layer_kinds)
 
 
 def stored_per_token(run: Run, s: Share) -> float:
@@ -98,10 +141,10 @@ def stored_per_token(run: Run, s: Share) -> float:
     if run.remat == "full":
         return layers * block_input_bytes(run)
     if run.remat == "dots":
-        return layers * matmul_outputs_bytes(run, s)
+        return over_layers(run, lambda kind: matmul_outputs_bytes(run, s, kind))
     if run.remat == "moe":
         return layers * (block_input_bytes(run) + moe_saved_bytes(run, s))
-    return layers * block_bytes_per_token(run, s)
+    return over_layers(run, lambda kind: block_bytes_per_token(run, s, kind))
 
 
 def block_input_bytes(run: Run) -> float:
@@ -122,13 +165,14 @@ def loss_bytes(run: Run, tokens: float, vocab_split: int = 1) -> float:
     return tokens * (run.cfg.hidden_size * F32 + 3 * chunk * F32 + 2 * F32)
 
 
-def gathered_per_layer(run: Run, sizes: dict[str, int], s: Share) -> float:
-    """What one block's forward gathers inside the layer schedules and a backward without remat
-    reads again: TSP's attention buckets (its experts' ring saves nothing, `parallel/tsp_experts.py`)
-    and the K/V gathered along the sequence."""
-    weights = sum(inventory.local_bytes(g, sizes, ("tsp",)) for g in inventory.block_groups(run.cfg)
-                  if g.part == "attention" and "tsp" in inventory.sharded_axes(g, sizes))
-    return weights + gathered_kv_bytes(run, sizes, s)
+def gathered_per_layer(run: Run, sizes: dict[str, int], s: Share, kind: str = "C") -> float:
+    """What one block of this kind gathers inside the layer schedules and a backward without remat
+    reads again: TSP's buckets of its mixer's weights (its experts' ring saves nothing,
+    `parallel/tsp_experts.py`) and, along the sequence, CCA's K/V or a linear layer's LASP-2 states."""
+    weights = sum(inventory.local_bytes(g, sizes, ("tsp",)) for g in inventory.mixer_groups(run.cfg, kind)
+                  if "tsp" in inventory.sharded_axes(g, sizes))
+    along = lasp2_state_bytes(run, sizes, s) if kind == "L" else gathered_kv_bytes(run, sizes, s)
+    return weights + along
 
 
 def gathered_kv_bytes(run: Run, sizes: dict[str, int], s: Share) -> float:
@@ -139,12 +183,14 @@ def gathered_kv_bytes(run: Run, sizes: dict[str, int], s: Share) -> float:
 
 def schedule_bytes(run: Run, sizes: dict[str, int], s: Share) -> dict[str, float]:
     """The buffers each parallel schedule adds (fp32 weights are gathered as stored)."""
-    cfg, block = run.cfg, inventory.block_groups(run.cfg)
+    cfg, block, kinds = run.cfg, inventory.block_groups(run.cfg), run.cfg.layer_kinds
     out: dict[str, float] = {}
     if sizes["fsdp"] > 1 or sizes["tsp"] > 1:
-        # One block's weights (the next one's prefetched: ×2) and the embedding (for the loss),
-        # gathered over the axes that split their hidden dimension; TSP's experts circulate instead.
-        dense = sum(inventory.local_bytes(g, sizes, ("fsdp", "tsp")) for g in block if g.part != "experts")
+        # One block's weights (the next one's prefetched: ×2; the larger kind's) and the embedding
+        # (for the loss), gathered over the axes that split their hidden dimension; TSP's experts
+        # circulate instead.
+        dense = max(sum(inventory.local_bytes(g, sizes, ("fsdp", "tsp")) for g in inventory.block_groups(cfg, kind)
+                        if g.part != "experts") for kind in MIXERS if kind in kinds)
         experts = sum(inventory.local_bytes(g, sizes, ("fsdp",)) for g in block if g.part == "experts")
         embedding = sum(inventory.local_bytes(g, sizes, ("fsdp", "tsp"))
                         for g in inventory.param_groups(cfg) if g.part == "embedding")
@@ -152,7 +198,10 @@ def schedule_bytes(run: Run, sizes: dict[str, int], s: Share) -> dict[str, float
     if sizes["tsp"] > 1:  # the slice in use and the one arriving
         out["ring_slices"] = 2 * sum(inventory.local_bytes(g, sizes, ("fsdp",)) for g in block if g.part == "experts")
     if sizes["tsp"] * sizes["sequence"] > 1:
-        out["gathered_kv"] = 2 * gathered_kv_bytes(run, sizes, s)  # the gathered K/V and their gradient
+        if "C" in kinds:
+            out["gathered_kv"] = 2 * gathered_kv_bytes(run, sizes, s)  # the gathered K/V and their gradient
+        if "L" in kinds:
+            out["gathered_states"] = 2 * lasp2_state_bytes(run, sizes, s)  # LASP-2's states and their gradient
     return out
 
 
@@ -170,8 +219,9 @@ def predict(run: Run, sizes: dict[str, int]) -> Memory:
     grads = state.grads * (2 if run.grad_accum > 1 else 1)  # the running sum and this micro-batch's
     parts = {
         "stored_activations": s.tokens * stored_per_token(run, s),
-        "stored_gathered": run.cfg.num_hidden_layers * gathered_per_layer(run, sizes, s) if run.remat == "none" else 0.0,
-        "block_working_set": 2 * s.tokens * block_bytes_per_token(run, s),
+        "stored_gathered": (over_layers(run, lambda kind: gathered_per_layer(run, sizes, s, kind))
+                            if run.remat == "none" else 0.0),
+        "block_working_set": 2 * s.tokens * largest_block_per_token(run, s),
         "loss": loss_bytes(run, s.tokens, inventory.vocab_split(run.cfg, sizes)),
         **schedule_bytes(run, sizes, s),
         "optimizer_temporaries": muon_temporaries(run, sizes),

@@ -1,18 +1,21 @@
 """Predicted step time of a layout: compute over a derated peak, plus each axis's collectives.
 
-Compute: the device's hardware FLOPs (the model's training FLOPs for its tokens, the part a
+Compute: the device's hardware FLOPs (the model's training FLOPs for its tokens, layer by layer
+of each kind: `flops.layer_mixer_params`, `flops.layer_core_flops`; the part a
 `tensor` group repeats on every member — the router — counted on each, the LM head split over
 its vocabulary (`vocab` rule), plus the
 recomputation the remat policy adds: a block forward under `full`, the attention core under
 `dots`, a block forward but its experts' matmuls under `moe`, and the chunked loss's logits always) over `peak × compute_efficiency`.
-The causal attention core is the busiest sequence device's: the average under `mesh.zigzag`
-(every device the same work, `parallel/zigzag.py`), (2D−1)/D times it with D contiguous chunks.
+The causal attention core of a CCA layer is the busiest sequence device's: the average under
+`mesh.zigzag` (every device the same work, `parallel/zigzag.py`), (2D−1)/D times it with D
+contiguous chunks. A linear layer's core is the same per token on every device (no S in it).
 
 Communication: per axis, the bytes each collective of our schedules moves (`transfers`),
 priced on the links the axis crosses (`collectives.Network`). FSDP's weight gathers, the
 gradient reductions inside the micro-batch loop and TSP's expert ring can overlap compute (XLA's
 scheduler / the ring's design), so together they cost only what exceeds the compute time; tensor,
-sequence, expert and TSP's attention collectives sit between dependent matmuls, and with several
+sequence (CCA's K/V, linear layers' LASP-2 states), expert and TSP's attention collectives sit
+between dependent matmuls, and with several
 micro-batches the data axis's one reduction comes after the loop (ZeRO-1's weight gather after
 the update, always): those count in full.
 The optimizer adds Muon's Newton–Schulz matmuls (each device its share of whole matrices), the
@@ -28,7 +31,8 @@ import math
 from zaya_jax.explore import inventory
 from zaya_jax.explore.collectives import Network
 from zaya_jax.explore.placement import Span, spans
-from zaya_jax.explore.workload import Run, Share, share
+from zaya_jax.explore.workload import Run, Share, lasp2_ends_bytes, lasp2_state_bytes, share
+from zaya_jax.model.layer_stack import MIXERS
 from zaya_jax.parallel import zigzag
 from zaya_jax.parallel.axes import BATCH_AXES, SEQUENCE_AXES
 from zaya_jax.parallel.rules import spread_axes
@@ -62,12 +66,15 @@ class StepTime:
 
 def hardware_flops(run: Run, sizes: dict[str, int], s: Share) -> float:
     """FLOPs one device runs per optimizer step (forward, backward, recomputation)."""
-    cfg, t = run.cfg, sizes["tensor"]
-    split = (flops.attention_projection_params(cfg) + flops.cca_conv_params(cfg) + flops.expert_params(cfg)) / t
+    cfg, t, kinds = run.cfg, sizes["tensor"], run.cfg.layer_kinds
     repeated = flops.router_params(cfg)
     head = cfg.vocab_size * cfg.hidden_size / inventory.vocab_split(cfg, sizes)
-    core = flops.attention_flops_per_token(cfg, run.seq_len) / 3 / t * _busiest_causal_share(run, sizes)
-    block_fwd = cfg.num_hidden_layers * 2 * (split + repeated) + core
+    present = [kind for kind in MIXERS if kind in kinds]
+    # Causal imbalance is CCA's: a linear layer's core is the same per token on every device.
+    imbalance = {"C": _busiest_causal_share(run, sizes), "L": 1.0}
+    core = sum(kinds.count(k) * flops.layer_core_flops(cfg, k, run.seq_len) / 3 / t * imbalance[k] for k in present)
+    block_fwd = sum(kinds.count(k) * 2 * ((flops.layer_mixer_params(cfg, k) + flops.expert_params(cfg)) / t + repeated)
+                    for k in present) + core
     per_token = 3 * block_fwd + 6 * head + 2 * head  # the loss backward recomputes each chunk's logits
     if run.remat == "full":
         per_token += block_fwd
@@ -103,25 +110,45 @@ def transfers(run: Run, sizes: dict[str, int]) -> list[Transfer]:
         if inventory.vocab_split(cfg, sizes) > 1:
             out.append(Transfer("tensor", "all_reduce", s.tokens * cfg.hidden_size * F32, a, False,
                                 "the vocabulary-parallel loss's hidden-state gradient", where["tensor"]))
-    kv = 2 * s.kv_heads * cfg.head_dim * b  # K and V bytes per token
+    kv, cca = 2 * s.kv_heads * cfg.head_dim * b, cfg.layer_kinds.count("C")  # K and V bytes per token
     for axis in SEQUENCE_AXES:
         n = sizes[axis]
-        if n > 1:
-            out += [Transfer(axis, "all_gather", s.tokens * n * kv, a * layers * (passes - 1), False, "K/V along the sequence", where[axis]),
-                    Transfer(axis, "reduce_scatter", s.tokens * n * kv, a * layers, False, "K/V gradients", where[axis])]
+        if n > 1 and cca:
+            out += [Transfer(axis, "all_gather", s.tokens * n * kv, a * cca * (passes - 1), False, "K/V along the sequence", where[axis]),
+                    Transfer(axis, "reduce_scatter", s.tokens * n * kv, a * cca, False, "K/V gradients", where[axis])]
+    out += _lasp2_exchange(run, sizes, s, where, passes)
     if sizes["tsp"] > 1:
         u = sizes["tsp"]
-        attention = sum(inventory.local_bytes(g, sizes, ("fsdp", "tsp")) for g in block if g.part == "attention")
+        for kind, name in (("C", "attention"), ("L", "linear-attention")):
+            n = cfg.layer_kinds.count(kind)
+            if n:  # a layer's own mixer's weights, bucket by bucket
+                weights = sum(inventory.local_bytes(g, sizes, ("fsdp", "tsp")) for g in inventory.mixer_groups(cfg, kind))
+                out += [Transfer("tsp", "all_gather", weights, a * n * (passes - 1), False, f"{name} weight buckets", where["tsp"]),
+                        Transfer("tsp", "reduce_scatter", weights, a * n, False, f"{name} weight gradients", where["tsp"])]
         experts = sum(inventory.local_bytes(g, sizes, ("fsdp",)) for g in block if g.part == "experts")
-        out += [Transfer("tsp", "all_gather", attention, a * layers * (passes - 1), False, "attention weight buckets", where["tsp"]),
-                Transfer("tsp", "reduce_scatter", attention, a * layers, False, "attention weight gradients", where["tsp"]),
-                Transfer("tsp", "permute", experts, a * layers * (u - 1) * (passes + 1), True,
+        out += [Transfer("tsp", "permute", experts, a * layers * (u - 1) * (passes + 1), True,
                          "expert slices round the ring (and their gradients)", where["tsp"])]
     if sizes["expert"] > 1:
         rows = s.tokens * sizes["expert"] * cfg.hidden_size
         out += [Transfer("expert", "all_gather", rows * b, a * layers * passes, False, "tokens to every expert's owner", where["expert"]),
                 Transfer("expert", "reduce_scatter", rows * F32, a * layers * passes, False, "expert outputs back", where["expert"])]
     return out
+
+
+def _lasp2_exchange(run: Run, sizes: dict[str, int], s: Share, where: dict[str, Span], passes: int) -> list[Transfer]:
+    """A linear layer on a split sequence (`parallel/lasp2.py`): one all-gather of every chunk's
+    memory states over the sequence axes together (and one of the chunks' last segment ids), its
+    transpose a reduce-scatter in the backward. No K/V, no halo; the bytes have no S in them."""
+    axes = tuple(x for x in SEQUENCE_AXES if sizes[x] > 1)
+    linear = run.cfg.layer_kinds.count("L")
+    if not axes or not linear:
+        return []
+    axis, span, calls = "+".join(axes), _joint_span(where, axes), run.grad_accum * linear
+    states = lasp2_state_bytes(run, sizes, s)
+    return [Transfer(axis, "all_gather", states, calls * (passes - 1), False, "linear layers' memory states", span),
+            Transfer(axis, "all_gather", lasp2_ends_bytes(run, sizes, s), calls * (passes - 1), False,
+                     "linear layers' chunk ends", span),
+            Transfer(axis, "reduce_scatter", states, calls, False, "linear layers' state gradients", span)]
 
 
 def _muon_exchange(run: Run, sizes: dict[str, int], where: dict[str, Span]) -> list[Transfer]:

@@ -2,7 +2,8 @@
 
 `Run` is the question (model, sequence length, global batch, micro-batches, remat policy, the
 hardware and its nodes); `Share` is what one device of a layout holds of one micro-batch:
-its tokens, heads, KV heads, expert width and the keys its queries see.
+its tokens and sequences, heads, KV heads, expert width and the keys its queries see. Also here,
+for memory and collectives alike: the size of a linear layer's LASP-2 state exchange.
 """
 
 from __future__ import annotations
@@ -13,8 +14,10 @@ import math
 from zaya_jax.config import ModelConfig
 from zaya_jax.hardware import HardwareProfile
 from zaya_jax.kernels.registry import DEFAULTS
+from zaya_jax.parallel import zigzag
 from zaya_jax.parallel.axes import BATCH_AXES, SEQUENCE_AXES
 
+F32 = 4
 FLASH_BACKENDS = ("pallas", "cudnn")  # attention kernels that never store [queries, keys] scores
 
 
@@ -71,6 +74,7 @@ class Share:
     expert_width: float  # each expert's intermediate width computed here per pass
     keys: int  # keys each local query attends over (the whole sequence with sequence chunks)
     dispatch: int  # tokens gathered per local token for the experts (expert axis size)
+    rows: float  # sequences of the micro-batch on this device (whole, or its chunks of each)
 
 
 def share(run: Run, sizes: dict[str, int]) -> Share:
@@ -79,4 +83,25 @@ def share(run: Run, sizes: dict[str, int]) -> Share:
     t = sizes["tensor"]
     return Share(tokens=run.micro_batch * run.seq_len / split, heads=cfg.num_attention_heads // t,
                  kv_heads=cfg.num_key_value_heads // t, expert_width=cfg.moe_intermediate_size / t,
-                 keys=run.seq_len, dispatch=sizes["expert"])
+                 keys=run.seq_len, dispatch=sizes["expert"],
+                 rows=run.micro_batch / math.prod(sizes[a] for a in BATCH_AXES))
+
+
+def lasp2_chunks(run: Run, sizes: dict[str, int]) -> int:
+    """Sequence chunks a linear layer's LASP-2 exchange gathers (`parallel/lasp2.py`): 2 per
+    sequence device under zigzag, 1 contiguous; 0 when no axis splits the sequence (no exchange)."""
+    devices = math.prod(sizes[a] for a in SEQUENCE_AXES)
+    if devices == 1:
+        return 0
+    return devices * zigzag.chunks_per_device(zigzag.zigzagged(run.zigzag, devices))
+
+
+def lasp2_state_bytes(run: Run, sizes: dict[str, int], s: Share) -> float:
+    """One linear layer's all-gathered memory states: fp32 [chunks, rows, nk, g, d, d] (this
+    device's KV heads, g query heads each). No sequence length in it: a chunk's state is d × d."""
+    return lasp2_chunks(run, sizes) * s.rows * s.heads * run.cfg.head_dim ** 2 * F32
+
+
+def lasp2_ends_bytes(run: Run, sizes: dict[str, int], s: Share) -> float:
+    """The int32 last segment id of every gathered chunk: LASP-2's second, tiny all-gather."""
+    return lasp2_chunks(run, sizes) * s.rows * 4

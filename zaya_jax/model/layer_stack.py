@@ -130,6 +130,19 @@ def _kind_of(rest: str) -> str | None:
     return MIXER_KINDS.get(rest.split("/", 1)[0])
 
 
+def entry_kind(path: str) -> str | None:
+    """The layer kind whose layers alone hold the stacked entry `path` (a mixer's:
+    `layers/linear_attn/wq` → "L"), or None: every layer holds it."""
+    return _kind_of(_within_block(path))
+
+
+def entry_layers(path: str, kinds: str) -> int:
+    """The stacked entry's leading size: the layers of its kind among `kinds` (all, for the parts
+    every layer has)."""
+    kind = entry_kind(path)
+    return len(kinds) if kind is None else kinds.count(kind)
+
+
 def _row_of(rest: str, layer: int, kinds: str) -> int | None:
     """The row of the stacked entry `rest` that holds layer `layer`'s value, or None if it has none."""
     kind = _kind_of(rest)

@@ -79,11 +79,17 @@ def linear_projection_params(cfg: ModelConfig) -> int:
     return h * nq * d + 2 * h * nk * d + h * nq * d + nq * d * h
 
 
+def layer_mixer_params(cfg: ModelConfig, kind: str) -> int:
+    """One layer's token-mixer matmul weights per token, by layer kind (C: CCA, L: linear attention)."""
+    if kind == "L":
+        return linear_projection_params(cfg)
+    return attention_projection_params(cfg) + cca_conv_params(cfg)
+
+
 def mixer_params(cfg: ModelConfig) -> int:
     """Token-mixer matmul weights per token summed over the layers (CCA's or linear attention's)."""
     kinds = cfg.layer_kinds
-    cca = attention_projection_params(cfg) + cca_conv_params(cfg)
-    return kinds.count("C") * cca + kinds.count("L") * linear_projection_params(cfg)
+    return sum(kinds.count(kind) * layer_mixer_params(cfg, kind) for kind in ("C", "L"))
 
 
 def matmul_params_per_token(cfg: ModelConfig) -> int:
@@ -92,13 +98,18 @@ def matmul_params_per_token(cfg: ModelConfig) -> int:
     return cfg.num_hidden_layers * per_layer + mixer_params(cfg) + cfg.vocab_size * cfg.hidden_size
 
 
+def layer_core_flops(cfg: ModelConfig, kind: str, seq_len: int) -> float:
+    """One layer's attention-core training FLOPs per token, by kind: 3 · 4·S·nq·d / 2 for CCA
+    (QKᵀ + AV, causal: half masked), 3 · 4·nq·d² for linear attention (q·M and kᵀv: no S)."""
+    if kind == "L":
+        return 3.0 * 4 * cfg.num_attention_heads * cfg.head_dim ** 2
+    return 3.0 * 4 * seq_len * cfg.num_attention_heads * cfg.head_dim / 2
+
+
 def attention_flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
-    """Attention-core training FLOPs per token: 3 · L_C · 4·S·nq·d / 2 for the CCA layers (causal),
-    and 3 · L_L · 4·nq·d² for the linear ones (the recurrence's q·M and kᵀv: no S)."""
-    causal = 4 * seq_len * cfg.num_attention_heads * cfg.head_dim / 2  # QKᵀ + AV, half masked
-    linear = 4 * cfg.num_attention_heads * cfg.head_dim ** 2
+    """Attention-core training FLOPs per token summed over the layers (`layer_core_flops`)."""
     kinds = cfg.layer_kinds
-    return 3.0 * (kinds.count("C") * causal + kinds.count("L") * linear)
+    return sum(kinds.count(kind) * layer_core_flops(cfg, kind, seq_len) for kind in ("C", "L"))
 
 
 def training_flops_per_token(cfg: ModelConfig, seq_len: int) -> TrainingFlops:
