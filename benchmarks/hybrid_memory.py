@@ -4,8 +4,10 @@ XLA's memory analysis of the compiled step (nothing is allocated) on 8 fake CPU 
 tiny model (`experiments/layouts/hybrid_sequence8.py`: 4 layers, hidden 128) at 8K, 16K and 32K
 tokens, one sequence per step, for three layer patterns: all linear attention (`L`), the hybrid
 (`LLLC`) and all CCA (`C`). A linear layer's LASP-2 exchanges d × d states, so its memory should
-grow linearly with the sequence; CCA's K/V all-gather and, on CPU, the `xla` attention's [S/8, S]
-probabilities grow faster.
+grow linearly with the sequence. A CCA layer's gathered K/V grow linearly too, but its attention
+kernel decides the rest: the `xla` attention (the CPU default) keeps [S/8, S] fp32 probabilities
+per head for its backward (quadratic), the `pallas` flash attention (the GPU default; compiled
+here in interpret mode) keeps only its outputs and row statistics.
 
     XLA_FLAGS=--xla_force_host_platform_device_count=8 python benchmarks/hybrid_memory.py \\
         --out benchmarks/hybrid_memory.json
@@ -20,12 +22,12 @@ import sys
 
 CONFIG = os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir, "experiments", "layouts",
                       "hybrid_sequence8.py")
-PATTERNS = ("L", "LLLC", "C")
+VARIANTS = (("L", "xla"), ("LLLC", "xla"), ("LLLC", "pallas"), ("C", "xla"), ("C", "pallas"))  # (pattern, attention)
 LENGTHS = (8192, 16384, 32768)
 GIB = 2 ** 30
 
 
-def measure(pattern: str, length: int) -> dict:
+def measure(pattern: str, attention: str, length: int) -> dict:
     import jax
 
     from zaya_jax.explore.validate import memory_report
@@ -34,20 +36,21 @@ def measure(pattern: str, length: int) -> dict:
 
     overrides = [f"--config.model.layer_pattern={pattern}", f"--config.train.seq_len={length}",
                  f"--config.model.max_position_embeddings={length}", "--config.train.global_batch_size=1",
-                 "--config.mesh.data=1"]
+                 "--config.mesh.data=1", f"--config.model.attention_kernel={attention}"]
     program = build_program(load_experiment(CONFIG, overrides), jax.devices()[:8])
     report = memory_report(program)
-    return {"pattern": pattern, "seq_len": length, **{k: report[k] for k in ("argument_bytes", "temp_bytes")},
+    return {"pattern": pattern, "attention": attention, "seq_len": length, **{k: report[k] for k in ("argument_bytes", "temp_bytes")},
             "compile_s": report["compile_s"]}
 
 
 def table(rows: list[dict]) -> str:
-    lines = ["| pattern | tokens | arguments GiB | temporaries GiB | temporaries / 8K's |",
-             "|---|---:|---:|---:|---:|"]
-    base = {r["pattern"]: r["temp_bytes"] for r in rows if r["seq_len"] == LENGTHS[0]}
+    lines = ["| pattern | CCA attention | tokens | arguments GiB | temporaries GiB | temporaries / 8K's |",
+             "|---|---|---:|---:|---:|---:|"]
+    base = {(r["pattern"], r["attention"]): r["temp_bytes"] for r in rows if r["seq_len"] == LENGTHS[0]}
     for r in rows:
-        lines.append(f"| `{r['pattern']}` | {r['seq_len']:,} | {r['argument_bytes'] / GIB:.3f} | "
-                     f"{r['temp_bytes'] / GIB:.3f} | {r['temp_bytes'] / base[r['pattern']]:.2f} |")
+        cca = "—" if "C" not in r["pattern"] else f"`{r['attention']}`"
+        lines.append(f"| `{r['pattern']}` | {cca} | {r['seq_len']:,} | {r['argument_bytes'] / GIB:.3f} | "
+                     f"{r['temp_bytes'] / GIB:.3f} | {r['temp_bytes'] / base[(r['pattern'], r['attention'])]:.2f} |")
     return "\n".join(lines)
 
 
@@ -62,10 +65,10 @@ def main(argv=None) -> int:
               file=sys.stderr)
         return 2
     rows = []
-    for pattern in PATTERNS:
+    for pattern, attention in VARIANTS:
         for length in LENGTHS:
-            rows.append(measure(pattern, length))
-            print(f"  {pattern:5s} {length:6d}: temporaries {rows[-1]['temp_bytes'] / GIB:.3f} GiB "
+            rows.append(measure(pattern, attention, length))
+            print(f"  {pattern:5s} {attention:7s} {length:6d}: temporaries {rows[-1]['temp_bytes'] / GIB:.3f} GiB "
                   f"(compiled in {rows[-1]['compile_s']} s)", file=sys.stderr, flush=True)
     print(table(rows))
     if args.out:
