@@ -136,3 +136,14 @@ def test_zaya_report_on_a_directory_without_events_is_one_line_and_exit_2(tmp_pa
     assert cli.main(["report", str(tmp_path)]) == 2
     err = capsys.readouterr().err
     assert len(err.strip().splitlines()) == 1 and "events.jsonl does not exist" in err
+
+
+def test_a_startup_span_that_rounds_to_before_its_attempts_start_is_still_in_that_attempt(tmp_path):
+    # time and sec are rounded to 1e-4 s: this startup began at the start stamp, but reads 1e-4 s earlier.
+    events = [_span("startup", 103.0, 3.0001), _point("start", 100.0, attempt=0), _span("init", 105.0, 2.0),
+              _span("steps", 115.0, 10.0, first=0, last=10, bad=0), _point("end", 115.0, step=10)]
+    with open(tmp_path / "events.jsonl", "w") as f:
+        f.writelines(json.dumps(e) + "\n" for e in events)
+    s = summarize(read_events(str(tmp_path)))
+    assert s["attempts"] == 1 and s["lost_sec"]["startup"] == pytest.approx(3.0)
+    assert s["lost_sec"]["untracked"] == pytest.approx(0.0, abs=1e-3)

@@ -78,8 +78,8 @@ def _lanes(workdir, step):
 def _same_losses(got: dict, expected: dict, exact_first: bool = True) -> None:
     assert got.keys() == expected.keys() and got
     first = min(got)
-    if exact_first:  # nothing has been reduced across processes yet
-        assert got[first] == expected[first]
+    if exact_first:  # the same weights and documents: only the replicas' loss sum may add up in another order
+        np.testing.assert_allclose(got[first], expected[first], rtol=2e-7)  # ~1 fp32 ulp
     np.testing.assert_allclose([got[s] for s in sorted(got)], [expected[s] for s in sorted(got)], rtol=1e-5)
 
 

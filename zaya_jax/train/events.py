@@ -110,4 +110,14 @@ def read_events(workdir: str) -> list[dict]:
                 events.append(json.loads(line))
             except json.JSONDecodeError:
                 continue
-    return sorted(events, key=lambda e: e["time"] - e.get("sec", 0.0))
+    return sorted(events, key=_begins)
+
+
+# `time` and `sec` are each rounded to 1e-4 s, so a span's computed begin may lie up to 1e-4 s
+# before the attempt's `start` stamp it began at; a `start` sorts ahead of those spans.
+_ROUNDING = 2e-4
+
+
+def _begins(event: dict) -> float:
+    begin = event["time"] - event.get("sec", 0.0)
+    return begin - _ROUNDING if event["event"] == "start" else begin
