@@ -56,7 +56,7 @@ class Layers(nnx.Module):
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
         kinds = cfg.layer_kinds
         blocks = init_stack(lambda r: Block(cfg, rngs=r), rngs.params(), len(kinds))
-        for name in block_parts(cfg):
+        for name in nnx.state(blocks).keys():
             setattr(self, name, getattr(blocks, name))
         for kind, attr in MIXERS.items():
             if kind in kinds:
@@ -65,19 +65,10 @@ class Layers(nnx.Module):
 
     def split(self, cfg: ModelConfig):
         """((block graphdef, block parts stacked over L), {kind: (mixer graphdef, stacked state)})."""
-        block_def = nnx.graphdef(_abstract_block(cfg))
-        parts = nnx.State({name: nnx.state(getattr(self, name)) for name in block_parts(cfg)})
+        block_def, shapes = nnx.split(nnx.eval_shape(lambda: Block(cfg, rngs=nnx.Rngs(0))))
+        parts = nnx.State({name: nnx.state(getattr(self, name)) for name in shapes.keys()})
         mixers = {kind: nnx.split(getattr(self, attr)) for kind, attr in MIXERS.items() if kind in cfg.layer_kinds}
         return (block_def, parts), mixers
-
-
-def _abstract_block(cfg: ModelConfig) -> Block:
-    return nnx.eval_shape(lambda: Block(cfg, rngs=nnx.Rngs(0)))
-
-
-def block_parts(cfg: ModelConfig) -> list[str]:
-    """The attribute names of a `Block`'s parts."""
-    return list(nnx.state(_abstract_block(cfg)).keys())
 
 
 class Zaya(nnx.Module):
