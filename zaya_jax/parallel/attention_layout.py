@@ -119,7 +119,8 @@ def _local_cca(x, segment_ids, positions, params, *, cfg, specs, zigzagged: bool
     bucket = 1 if axis_size("tsp") > 1 else groups  # TSP: one KV group's weights resident at a time
     out = jnp.zeros((x.shape[0], chunks.size, x.shape[2]), jnp.float32)
     for start in range(0, groups, bucket):
-        wb = _gather_bucket(cca_math.select_groups(w, start, bucket, cfg), specs)
+        wb = gather_over_tsp(cca_math.select_groups(w, start, bucket, cfg),
+                             {name: specs[src] for name, src in cca_math.SOURCE.items()})
         attn = attend(*cca_math.project(x, wb, info, cfg, first + start, drop=look_back))
         out = out + jnp.einsum("bsnd,ndh->bsh", attn, wb["wo"], preferred_element_type=jnp.float32)
     if axis_size("tensor") > 1:
@@ -185,11 +186,12 @@ def _device_groups(params, specs, cfg, dtype):
     return cca_math.select_groups(w, first, groups, cfg, replicated), first, groups
 
 
-def _gather_bucket(wb: dict, specs: dict) -> dict:
-    """All-gather over `tsp` the bucket's slices of the weights stored 1/D on `tsp`."""
+def gather_over_tsp(wb: dict, specs: dict) -> dict:
+    """`wb` with each entry named in `specs` (entry → the PartitionSpec it is stored with) all-gathered
+    over `tsp` on the dimensions stored 1/D there: a TSP bucket's weight slices made whole."""
     out = dict(wb)
-    for name, src in cca_math.SOURCE.items():
-        for dim, entry in enumerate(specs[src]):
+    for name, spec in specs.items():
+        for dim, entry in enumerate(spec):
             if "tsp" in entry_axes(entry):
                 out[name] = jax.lax.all_gather(wb[name], "tsp", axis=dim, tiled=True)
     return out

@@ -33,11 +33,11 @@ from jax.sharding import PartitionSpec as P
 from zaya_jax.kernels import ops as kernel_ops
 from zaya_jax.kernels import resolve
 from zaya_jax.model import linear_attn as lin
-from zaya_jax.parallel.attention_layout import varying_weights
+from zaya_jax.parallel.attention_layout import gather_over_tsp, varying_weights
 from zaya_jax.parallel.axes import SEQUENCE_AXES
 from zaya_jax.parallel.batch_map import axis_size, layout_map, row_spec
 from zaya_jax.parallel.lasp2 import lasp2
-from zaya_jax.parallel.rules import entry_axes, keep_axes, partition_spec, spec_axes
+from zaya_jax.parallel.rules import keep_axes, partition_spec, spec_axes
 
 PROJECTIONS = ("wq", "wk", "wv", "log_decay")  # what a bucket needs before the exchange
 OUTPUTS = ("wg", "out_norm", "wo")  # and after it
@@ -102,10 +102,5 @@ def _device_groups(params, specs, cfg, dtype):
 
 
 def _gather_bucket(wb: dict, specs: dict, names) -> dict:
-    """All-gather over `tsp` the bucket's slices (of `names`) of the weights stored 1/D on `tsp`."""
-    out = dict(wb)
-    for name in names:
-        for dim, entry in enumerate(specs.get(name, ())):
-            if "tsp" in entry_axes(entry):
-                out[name] = jax.lax.all_gather(wb[name], "tsp", axis=dim, tiled=True)
-    return out
+    """The bucket's slices of `names` made whole over `tsp` (the decay is no weight: never split)."""
+    return gather_over_tsp(wb, {name: specs[name] for name in names if name in specs})
