@@ -5,7 +5,7 @@ linear attention.
 its defaults, `tuning` the block sizes, `resources` their shared memory against each device,
 `gpu_lowering` the Pallas → Triton check for CUDA/ROCm on any machine, `reference` the plain-jnp
 semantics, `xla_attention` the `xla` attention, `xla_backends` the other XLA and vendor forms,
-and one `pallas_*` module per Pallas kernel (`pallas_dot`: the fp32 block product they share).
+and one `pallas_*` module per Pallas kernel (`pallas_dot`: the block product and launch they share).
 `linear_attention` holds the linear-attention math (quadratic reference, chunked form: the
 `reference` and `xla` backends) that the hybrid layers and LASP-2 build on; its registry entry point is `ops.linear_attention` (not re-exported here: the
 name is the math module's, which `parallel/lasp2.py` imports from this package).

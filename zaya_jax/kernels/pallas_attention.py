@@ -23,9 +23,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
-from jax.experimental.pallas import triton as plgpu
 
-from zaya_jax.kernels.pallas_dot import fp32_dot
+from zaya_jax.kernels.pallas_dot import fp32_dot, launch
 from zaya_jax.kernels.tuning import AttentionBlocks, blocks_for
 
 LOG2E = math.log2(math.e)
@@ -63,11 +62,7 @@ class _Plan:
         return functools.reduce(jnp.logical_and, parts) if parts else None
 
     def call(self, kernel, grid, in_specs, args, out_specs, out_shape):
-        return pl.pallas_call(
-            functools.partial(kernel, plan=self), grid=grid, in_specs=in_specs, out_specs=out_specs,
-            out_shape=out_shape, interpret=self.interpret, name=f"zaya{kernel.__name__}",
-            compiler_params=plgpu.CompilerParams(num_warps=self.blocks.num_warps, num_stages=self.blocks.num_stages),
-        )(*args)
+        return launch(kernel, self, f"zaya{kernel.__name__}", grid, in_specs, args, out_specs, out_shape)
 
 
 def flash_attention(q, k, v, segment_ids=None, *, causal=True, scale=None, blocks=None, interpret=False,

@@ -34,10 +34,9 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
-from jax.experimental.pallas import triton as plgpu
 
 from zaya_jax.kernels.linear_attention import pad_rows
-from zaya_jax.kernels.pallas_dot import fp32_dot
+from zaya_jax.kernels.pallas_dot import fp32_dot, launch
 from zaya_jax.kernels.tuning import LinearAttentionBlocks, blocks_for
 
 
@@ -54,11 +53,7 @@ class _Plan:
         return fp32_dot(a, b, contract, self.precision)
 
     def call(self, kernel, grid, in_specs, args, out_specs, out_shape):
-        return pl.pallas_call(
-            functools.partial(kernel, plan=self), grid=grid, in_specs=in_specs, out_specs=out_specs,
-            out_shape=out_shape, interpret=self.interpret, name=f"zaya_linear_attention_{kernel.__name__.strip('_')}",
-            compiler_params=plgpu.CompilerParams(num_warps=self.blocks.num_warps, num_stages=self.blocks.num_stages),
-        )(*args)
+        return launch(kernel, self, f"zaya_linear_attention_{kernel.__name__.strip('_')}", grid, in_specs, args, out_specs, out_shape)
 
 
 def check_head_dims(dk: int, dv: int) -> None:
