@@ -140,3 +140,21 @@ def test_zaya_jax_load_reads_a_hybrid_checkpoint_and_to_hf_refuses_it_in_one_lin
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "has no linear-attention layers, so it has no HF form" in err[0], err
     assert not (tmp_path / "hf").exists() and not (tmp_path / "hf.partial").exists()
+
+
+@pytest.mark.parametrize("flag, words", [
+    ("--config.model.layer_pattern=LXC", "model.layer_pattern must be a non-empty string"),
+    ("--config.model.layer_pattern=LLL", "must be a multiple of the length of model.layer_pattern"),
+    ("--config.model.linear_decay=alibi", "model.linear_decay must be one of"),
+    ("--config.model.linear_kernel=fast", "linear_kernel"),
+])
+def test_zaya_train_refuses_a_bad_hybrid_setting_in_one_line_with_status_2(tmp_path, capsys, flag, words):
+    from zaya_jax.cli import main
+
+    import os
+
+    config = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "experiments", "tiny_cpu.py")
+    code = main(["train", f"--config={config}", f"--workdir={tmp_path}/run", flag])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1 and words in err[0], (code, err)
+    assert not (tmp_path / "run").exists() or not any((tmp_path / "run").iterdir())
