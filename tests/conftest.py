@@ -3,6 +3,11 @@
 import os
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+from xla_test_flags import TEST_XLA_FLAGS  # noqa: E402
+
 flags = os.environ.get("XLA_FLAGS", "")
 if "xla_force_host_platform_device_count" not in flags:
-    os.environ["XLA_FLAGS"] = (flags + " --xla_force_host_platform_device_count=8").strip()
+    flags += " --xla_force_host_platform_device_count=8"
+if TEST_XLA_FLAGS not in flags:
+    flags += " " + TEST_XLA_FLAGS
+os.environ["XLA_FLAGS"] = flags.strip()

@@ -8,6 +8,7 @@ import subprocess
 import sys
 
 import pytest
+from xla_test_flags import xla_flags
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = os.path.join(ROOT, "experiments", "tiny_cpu.py")
@@ -17,7 +18,7 @@ QUICK = ["--config.train.steps=4", "--config.optim.warmup_steps=1", "--config.tr
 
 
 def zaya(*args, devices=1):
-    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}")
+    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=xla_flags(devices))
     return subprocess.run([sys.executable, "-m", "zaya_jax", *args], capture_output=True, text=True, env=env,
                           cwd=ROOT, timeout=600)
 

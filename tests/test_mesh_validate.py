@@ -17,6 +17,7 @@ from zaya_jax.explore.workload import Run
 from zaya_jax import hardware
 from zaya_jax.errors import ZayaError
 from zaya_jax.parallel.axes import MESH_AXES
+from xla_test_flags import xla_flags
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = os.path.join(ROOT, "experiments", "tiny_cpu.py")
@@ -50,7 +51,7 @@ def test_predicted_state_bytes_match_xla_arguments(overrides, layouts):
 
 
 def zaya(*args, devices=1):
-    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}")
+    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=xla_flags(devices))
     return subprocess.run([sys.executable, "-m", "zaya_jax", "mesh", *args], capture_output=True, text=True, env=env,
                           cwd=ROOT, timeout=600)
 

@@ -22,6 +22,7 @@ import numpy as np
 import pytest
 
 from zaya_jax.checkpoint import orbax_store
+from xla_test_flags import xla_flags
 
 pytestmark = pytest.mark.slow
 
@@ -34,7 +35,7 @@ def _env(devices: int | None = None) -> dict:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("JAX_COORDINATOR", "JAX_NUM_PROC", "JAX_PROCESS"))}
     env["JAX_PLATFORMS"] = "cpu"
     if devices:
-        env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
+        env["XLA_FLAGS"] = xla_flags(devices)
     return env
 
 

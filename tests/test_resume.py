@@ -16,6 +16,7 @@ from run_outputs import losses as _losses
 from zaya_jax.errors import ZayaError
 from zaya_jax.experiment import load_experiment
 from zaya_jax.train.loop import train
+from xla_test_flags import xla_flags
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = os.path.join(ROOT, "experiments", "tiny_cpu.py")
@@ -27,7 +28,7 @@ RUN = ["--config.train.steps=12", "--config.optim.warmup_steps=2", "--config.tra
 
 
 def _env(devices=1):
-    return dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}")
+    return dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=xla_flags(devices))
 
 
 def _train_cmd(workdir, *extra, prefix=("-m", "zaya_jax")):
