@@ -158,3 +158,20 @@ def test_zaya_train_refuses_a_bad_hybrid_setting_in_one_line_with_status_2(tmp_p
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and len(err) == 1 and words in err[0], (code, err)
     assert not (tmp_path / "run").exists() or not any((tmp_path / "run").iterdir())
+
+
+def test_a_checkpoint_from_before_the_hybrid_fields_resumes_as_the_all_cca_model_it_is():
+    """A run's checkpoint written before `model.layer_pattern` existed records no hybrid field: it is
+    the all-CCA model (every field's default), so a default config resumes it and a hybrid refuses it."""
+    import dataclasses
+
+    from zaya_jax.config import HYBRID_FIELDS
+    from zaya_jax.train.checkpoints import check_compatible
+
+    before = {k: v for k, v in dataclasses.asdict(preset("tiny")).items() if k not in HYBRID_FIELDS}
+    saved = {"model": before, "state_shapes": {}}
+    check_compatible(saved, {"model": dataclasses.asdict(preset("tiny")), "state_shapes": {}}, "ckpt/300")
+    hybrid = dataclasses.asdict(preset("tiny", layer_pattern="LC"))
+    with pytest.raises(ZayaError, match=r"^checkpoint ckpt/300 holds a different model: model.layer_pattern is 'C' "
+                                        r"there but 'LC' in this config"):
+        check_compatible(saved, {"model": hybrid, "state_shapes": {}}, "ckpt/300")

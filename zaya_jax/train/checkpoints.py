@@ -31,7 +31,7 @@ from typing import Any
 import jax
 import orbax.checkpoint as ocp
 
-from zaya_jax.config import COMPUTE_FIELDS
+from zaya_jax.config import COMPUTE_FIELDS, ModelConfig
 from zaya_jax.data.lanes import LaneRows, merge_states
 from zaya_jax.data.pipeline import DataSettings
 from zaya_jax.errors import ZayaError
@@ -211,11 +211,14 @@ def data_fingerprint(config) -> dict:
 
 def check_compatible(saved: dict, current: dict, where: str) -> None:
     """Raise if the checkpoint at `where` cannot be restored into the current run's state."""
-    model_diff = [k for k in current["model"] if saved["model"].get(k) != current["model"][k]
+    # A field the checkpoint does not record came later: the model that wrote it had the field's default.
+    defaults = {f.name: f.default for f in dataclasses.fields(ModelConfig)}
+    saved_model = {**defaults, **saved["model"]}
+    model_diff = [k for k in current["model"] if saved_model.get(k) != current["model"][k]
                   and k not in COMPUTE_FIELDS]
     if model_diff:
         k = model_diff[0]
-        raise ZayaError(f"checkpoint {where} holds a different model: model.{k} is {saved['model'].get(k)!r} "
+        raise ZayaError(f"checkpoint {where} holds a different model: model.{k} is {saved_model.get(k)!r} "
                         f"there but {current['model'][k]!r} in this config; use the checkpoint's config "
                         "or a fresh --workdir")
     missing = sorted(set(current["state_shapes"]) ^ set(saved["state_shapes"]))
