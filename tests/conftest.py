@@ -2,9 +2,9 @@
 
 import os
 
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
-from xla_test_flags import TEST_XLA_FLAGS  # noqa: E402
+from xla_test_flags import TEST_XLA_FLAGS
 
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
 flags = os.environ.get("XLA_FLAGS", "")
 if "xla_force_host_platform_device_count" not in flags:
     flags += " --xla_force_host_platform_device_count=8"

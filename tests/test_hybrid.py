@@ -2,13 +2,17 @@
 reference, the scan over the pattern's unit, documents kept apart, the per-layer interchange form,
 and the config's refusals."""
 
+import dataclasses
+import os
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
 
-from zaya_jax.config import preset, to_hf_dict
+from zaya_jax.cli import main
+from zaya_jax.config import HYBRID_FIELDS, preset, to_hf_dict
 from zaya_jax.errors import ZayaError
 from zaya_jax.kernels import linear_attention as la
 from zaya_jax.model import Zaya
@@ -16,6 +20,9 @@ from zaya_jax.model import linear_attn
 from zaya_jax.model.layer_stack import per_layer, repeating_unit
 from zaya_jax.model.segments import sequence_info
 from zaya_jax.model.state import build_model, expected_shapes, flat_arrays
+from zaya_jax.train.checkpoints import check_compatible
+
+TINY = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "experiments", "tiny_cpu.py")
 
 CFG = preset("tiny", num_hidden_layers=6, layer_pattern="LLC", linear_decay="retention")
 RNG = np.random.RandomState(0)
@@ -127,7 +134,6 @@ def test_a_hybrid_model_has_no_hugging_face_form():
 def test_zaya_jax_load_reads_a_hybrid_checkpoint_and_to_hf_refuses_it_in_one_line(tmp_path, capsys):
     import zaya_jax
     from zaya_jax.checkpoint import orbax_store
-    from zaya_jax.cli import main
 
     m = Zaya(CFG, rngs=nnx.Rngs(0))
     arrays = {k: np.asarray(v) for k, v in per_layer(flat_arrays(m), CFG.layer_kinds).items()}
@@ -149,12 +155,7 @@ def test_zaya_jax_load_reads_a_hybrid_checkpoint_and_to_hf_refuses_it_in_one_lin
     ("--config.model.linear_kernel=fast", "linear_kernel"),
 ])
 def test_zaya_train_refuses_a_bad_hybrid_setting_in_one_line_with_status_2(tmp_path, capsys, flag, words):
-    from zaya_jax.cli import main
-
-    import os
-
-    config = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "experiments", "tiny_cpu.py")
-    code = main(["train", f"--config={config}", f"--workdir={tmp_path}/run", flag])
+    code = main(["train", f"--config={TINY}", f"--workdir={tmp_path}/run", flag])
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and len(err) == 1 and words in err[0], (code, err)
     assert not (tmp_path / "run").exists() or not any((tmp_path / "run").iterdir())
@@ -163,11 +164,6 @@ def test_zaya_train_refuses_a_bad_hybrid_setting_in_one_line_with_status_2(tmp_p
 def test_a_checkpoint_from_before_the_hybrid_fields_resumes_as_the_all_cca_model_it_is():
     """A run's checkpoint written before `model.layer_pattern` existed records no hybrid field: it is
     the all-CCA model (every field's default), so a default config resumes it and a hybrid refuses it."""
-    import dataclasses
-
-    from zaya_jax.config import HYBRID_FIELDS
-    from zaya_jax.train.checkpoints import check_compatible
-
     before = {k: v for k, v in dataclasses.asdict(preset("tiny")).items() if k not in HYBRID_FIELDS}
     saved = {"model": before, "state_shapes": {}}
     check_compatible(saved, {"model": dataclasses.asdict(preset("tiny")), "state_shapes": {}}, "ckpt/300")

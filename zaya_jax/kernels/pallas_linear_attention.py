@@ -53,7 +53,8 @@ class _Plan:
         return fp32_dot(a, b, contract, self.precision)
 
     def call(self, kernel, grid, in_specs, args, out_specs, out_shape):
-        return launch(kernel, self, f"zaya_linear_attention_{kernel.__name__.strip('_')}", grid, in_specs, args, out_specs, out_shape)
+        name = f"zaya_linear_attention_{kernel.__name__.strip('_')}"
+        return launch(kernel, self, name, grid, in_specs, args, out_specs, out_shape)
 
 
 def check_head_dims(dk: int, dv: int) -> None:

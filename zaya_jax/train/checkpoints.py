@@ -212,8 +212,7 @@ def data_fingerprint(config) -> dict:
 def check_compatible(saved: dict, current: dict, where: str) -> None:
     """Raise if the checkpoint at `where` cannot be restored into the current run's state."""
     # A field the checkpoint does not record came later: the model that wrote it had the field's default.
-    defaults = {f.name: f.default for f in dataclasses.fields(ModelConfig)}
-    saved_model = {**defaults, **saved["model"]}
+    saved_model = {**dataclasses.asdict(ModelConfig()), **saved["model"]}
     model_diff = [k for k in current["model"] if saved_model.get(k) != current["model"][k]
                   and k not in COMPUTE_FIELDS]
     if model_diff:
