@@ -1,0 +1,100 @@
+"""Host memory for steps on XLA:CPU: freed memory stays in the heap, so each step reuses the last one's pages.
+
+XLA:CPU allocates a step's temporaries as one block (at `tiny_cpu`, every layer's saved
+activations: a few hundred MB) and frees it when the step ends. glibc's malloc serves a block
+that large from a fresh `mmap` (in the per-thread arena of the thread that runs the step) and
+unmaps it on free, so every step faults in its whole block again: ~50,000 page faults and ~100 ms
+of kernel time per `tiny_cpu` step on a 2-core host, a third of the step's CPU time
+(`benchmarks/step_vs_eager.md`). With one arena, no `mmap` for large blocks and no trimming of
+the heap's top, the freed block stays in the heap and the next step takes it again: no faults.
+The cost is that the process keeps its peak heap until it exits, which a training run reaches in
+its first step anyway.
+
+`keep_freed_memory()` sets that through `mallopt` (glibc only; elsewhere it does nothing) and must
+run before JAX creates its CPU client: a thread picks its arena at its first allocation, and the
+client's threads allocate as soon as they start. `zaya train` calls it first when JAX will run on
+CPU (`will_run_on_cpu`); `ZAYA_HOST_MALLOC=system` keeps glibc's defaults.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import importlib.metadata
+import importlib.util
+import os
+import pkgutil
+
+ENV = "ZAYA_HOST_MALLOC"  # "keep" (the default on CPU) or "system"
+CHOICES = ("keep", "system")
+# glibc's mallopt parameters (malloc.h) and the values set.
+_M_TRIM_THRESHOLD, _M_MMAP_MAX, _M_ARENA_MAX = -1, -4, -8
+_SETTINGS = ((_M_ARENA_MAX, 1), (_M_MMAP_MAX, 0), (_M_TRIM_THRESHOLD, 2**31 - 1))
+
+_applied = False
+
+
+def keep_freed_memory() -> bool:
+    """Make glibc's malloc keep freed memory for reuse (one arena, no mmap, no trim); True if it
+    took effect, False where the C library is not glibc or JAX has started already (too late)."""
+    from zaya_jax.kernels.xla_flags import backends_started
+
+    global _applied
+    libc = _glibc()
+    if libc is None or backends_started():
+        return False
+    _applied = all(libc.mallopt(param, value) == 1 for param, value in _SETTINGS)
+    return _applied
+
+
+def applied() -> bool:
+    """Whether `keep_freed_memory()` has taken effect in this process."""
+    return _applied
+
+
+def choice(environ=os.environ) -> str:
+    """The `ZAYA_HOST_MALLOC` setting, checked: "keep" (default) or "system"."""
+    from zaya_jax.errors import ZayaError
+
+    value = environ.get(ENV, "keep").strip().lower() or "keep"
+    if value not in CHOICES:
+        raise ZayaError(f"{ENV}={environ[ENV]!r}: use 'keep' (reuse freed memory, the default on CPU) or "
+                        "'system' (glibc's defaults)")
+    return value
+
+
+def will_run_on_cpu() -> bool:
+    """Whether JAX's default backend will be the CPU, decided without starting it (`cpu_backend`
+    of `jax_platforms` and the installed plugins)."""
+    import jax
+
+    return cpu_backend(jax.config.jax_platforms, _accelerator_plugins())
+
+
+def cpu_backend(platforms: str | None, plugins: list[str]) -> bool:
+    """The first of `platforms` (JAX_PLATFORMS) when set is "cpu"; unset, no accelerator plugin
+    (CUDA, ROCm, TPU) is installed."""
+    if platforms:
+        return platforms.split(",")[0].strip() == "cpu"
+    return not plugins
+
+
+def _accelerator_plugins() -> list[str]:
+    names = [ep.name for ep in importlib.metadata.entry_points(group="jax_plugins")]
+    namespace = importlib.util.find_spec("jax_plugins")
+    if namespace is not None and namespace.submodule_search_locations:
+        names += [m.name for m in pkgutil.iter_modules(namespace.submodule_search_locations)]
+    if importlib.util.find_spec("libtpu") is not None:
+        names.append("libtpu")
+    return names
+
+
+def _glibc():
+    name = ctypes.util.find_library("c")
+    try:
+        libc = ctypes.CDLL(name or "libc.so.6")
+        libc.gnu_get_libc_version.restype = ctypes.c_char_p
+        libc.gnu_get_libc_version()
+    except (OSError, AttributeError):
+        return None
+    return libc
