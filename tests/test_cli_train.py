@@ -8,7 +8,7 @@ import subprocess
 import sys
 
 import pytest
-from xla_test_flags import xla_flags
+from xla_test_flags import TEST_XLA_FLAGS, xla_flags
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = os.path.join(ROOT, "experiments", "tiny_cpu.py")
@@ -18,7 +18,8 @@ QUICK = ["--config.train.steps=4", "--config.optim.warmup_steps=1", "--config.tr
 
 
 def zaya(*args, devices=1):
-    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=xla_flags(devices))
+    """`zaya ARGS` on `devices` fake CPU devices (None: as many as the config's train.cpu_devices)."""
+    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=TEST_XLA_FLAGS if devices is None else xla_flags(devices))
     return subprocess.run([sys.executable, "-m", "zaya_jax", *args], capture_output=True, text=True, env=env,
                           cwd=ROOT, timeout=600)
 
@@ -46,6 +47,17 @@ def test_short_run_writes_metrics_tensorboard_and_model(tmp_path):
     model = zaya_jax.load(str(workdir / "model"))
     assert model(jnp.array([[3, 4, 5]])).shape == (1, 3, 272)
 
+
+
+def test_config_splits_the_cpu_into_devices_and_keeps_freed_memory(tmp_path):
+    from zaya_jax import cpu_host
+
+    result = zaya("train", f"--config={TINY}", f"--workdir={tmp_path / 'run'}", *QUICK, "--config.train.steps=1",
+                  "--config.train.cpu_devices=4", devices=None)
+    assert result.returncode == 0, result.stderr
+    mesh = next(line for line in result.stdout.splitlines() if line.strip().startswith("mesh"))
+    assert "4 cpu device(s): data=4" in mesh
+    assert ("host memory kept for reuse" in mesh) == (cpu_host._glibc() is not None)
 
 def _tensorboard_tags(path):
     from tensorboardX.proto import event_pb2

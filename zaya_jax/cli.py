@@ -127,7 +127,7 @@ def _train(args: argparse.Namespace, extra: list[str]) -> int:
     then everything that asks for devices: validation resolves kernels against them."""
     import jax
 
-    from zaya_jax import host_memory
+    from zaya_jax import cpu_host
     from zaya_jax.cluster import startup
     from zaya_jax.experiment.load import load_values, unflatten
     from zaya_jax.experiment.validate import validate
@@ -136,8 +136,8 @@ def _train(args: argparse.Namespace, extra: list[str]) -> int:
 
     attempt = Attempt.from_environ(os.environ, STARTED_AT)
     values, source = load_values(args.config, extra)
-    if host_memory.choice() == "keep" and host_memory.will_run_on_cpu():
-        host_memory.keep_freed_memory()  # before JAX's CPU client starts its threads
+    if cpu_host.will_run_on_cpu():
+        cpu_host.prepare(values["train.cpu_devices"])  # before JAX's CPU client starts its threads
     topology = startup.start(startup.settings_from(
         args, initialization_timeout_s=values["distributed.initialization_timeout_s"],
         heartbeat_timeout_s=values["distributed.heartbeat_timeout_s"]))

@@ -42,6 +42,9 @@ def _train() -> dict:
         progress=True,  # console progress bar
         compile_cache="workdir",  # persistent XLA compilation cache: workdir (WORKDIR/compile_cache) | off | a directory
         profile_steps="",  # START:STOP: a jax.profiler trace of steps START..STOP-1 in WORKDIR/profile ("" = off)
+        cpu_devices=0,  # CPU runs: split the host into this many XLA devices (the mesh's data axis spans them;
+        # each runs its share of the batch on its own core); 0 = JAX's one device. A device count in
+        # XLA_FLAGS (--xla_force_host_platform_device_count) wins
     )
 
 

@@ -60,6 +60,7 @@ def _train(c, model: ModelConfig) -> str | None:
         *(_at_least(c, f"train.{k}", 1) for k in ("steps", "global_batch_size", "seq_len", "grad_accum_steps",
                                                    "log_every", "loss_vocab_chunk", "scan_unroll")),
         _at_least(c, "train.seed", 0),
+        _at_least(c, "train.cpu_devices", 0),
         None if t.remat in REMAT_POLICIES else f"train.remat must be one of {REMAT_POLICIES}, got {t.remat!r}",
         None if t.global_batch_size % t.grad_accum_steps == 0 else
         f"train.global_batch_size ({t.global_batch_size}) must be a multiple of train.grad_accum_steps "

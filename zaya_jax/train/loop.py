@@ -32,7 +32,7 @@ import time
 import jax
 import numpy as np
 
-from zaya_jax import exit_codes, host_memory
+from zaya_jax import exit_codes, cpu_host
 from zaya_jax.data.pipeline import DataPipeline, DataSettings
 from zaya_jax.drills import Drills
 from zaya_jax.drills import parse as parse_drills
@@ -461,7 +461,7 @@ def _banner(out, exp: Experiment, program: Program, data: DataPipeline, workdir:
     kernels = {name: describe_kernel(name, backend) for name, backend in program.kernels().items()}
     print(f"  kernels attention {kernels['attention']}, experts {kernels['grouped_matmul']}, "
           f"norm {kernels['rms_norm']}", file=out)
-    kept = "; host memory kept for reuse between steps (ZAYA_HOST_MALLOC)" if host_memory.applied() else ""
+    kept = "; host memory kept for reuse between steps (ZAYA_HOST_MALLOC)" if cpu_host.applied() else ""
     print(f"  mesh    {program.mesh.size} {program.mesh.devices.flat[0].platform} device(s): {axes}{kept}", file=out)
     if topology.process_count > 1:
         across = ", ".join(topology.axes_across_nodes(program.mesh)) or "none"

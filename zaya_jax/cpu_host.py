@@ -1,19 +1,25 @@
-"""Host memory for steps on XLA:CPU: freed memory stays in the heap, so each step reuses the last one's pages.
+"""A CPU run's host, set up before JAX starts: freed memory kept for reuse, and the cores as devices.
 
-XLA:CPU allocates a step's temporaries as one block (at `tiny_cpu`, every layer's saved
-activations: a few hundred MB) and frees it when the step ends. glibc's malloc serves a block
-that large from a fresh `mmap` (in the per-thread arena of the thread that runs the step) and
-unmaps it on free, so every step faults in its whole block again: ~50,000 page faults and ~100 ms
-of kernel time per `tiny_cpu` step on a 2-core host, a third of the step's CPU time
-(`benchmarks/step_vs_eager.md`). With one arena, no `mmap` for large blocks and no trimming of
-the heap's top, the freed block stays in the heap and the next step takes it again: no faults.
-The cost is that the process keeps its peak heap until it exits, which a training run reaches in
-its first step anyway.
+**Freed memory stays in the heap.** XLA:CPU allocates a step's temporaries as one block (at
+`tiny_cpu`, every layer's saved activations: a few hundred MB) and frees it when the step ends.
+glibc's malloc serves a block that large from a fresh `mmap` (in the per-thread arena of the
+thread that runs the step) and unmaps it on free, so every step faults in its whole block again:
+~50,000 page faults and ~100 ms of kernel time per `tiny_cpu` step on a 2-core host, a third of
+the step's CPU time (`benchmarks/step_vs_eager.md`). With one arena, no `mmap` for large blocks
+and no trimming of the heap's top, the freed block stays in the heap and the next step takes it
+again: no faults. The cost is that the process keeps its peak heap until it exits, which a
+training run reaches in its first step anyway. `keep_freed_memory()` sets that through `mallopt`
+(glibc only; elsewhere it does nothing); `ZAYA_HOST_MALLOC=system` keeps glibc's defaults.
 
-`keep_freed_memory()` sets that through `mallopt` (glibc only; elsewhere it does nothing) and must
-run before JAX creates its CPU client: a thread picks its arena at its first allocation, and the
-client's threads allocate as soon as they start. `zaya train` calls it first when JAX will run on
-CPU (`will_run_on_cpu`); `ZAYA_HOST_MALLOC=system` keeps glibc's defaults.
+**The cores as devices.** XLA:CPU runs most of a small model's matmuls on one thread each, so one
+device leaves the second core of a 2-core host idle half the time. `train.cpu_devices: N` starts
+N CPU devices (`jax_num_cpu_devices`), which the mesh's `data` axis then spans: each runs its own
+share of the batch on its own core. A device count already in the environment (XLA_FLAGS'
+`--xla_force_host_platform_device_count`, as the tests and layout explorations set it) wins.
+
+Both must happen before JAX creates its CPU client (a thread picks its malloc arena at its first
+allocation, and the client's threads allocate as soon as they start); `zaya train` calls `prepare`
+first when JAX will run on CPU (`will_run_on_cpu`).
 """
 
 from __future__ import annotations
@@ -26,12 +32,34 @@ import os
 import pkgutil
 
 ENV = "ZAYA_HOST_MALLOC"  # "keep" (the default on CPU) or "system"
+DEVICE_COUNT_FLAG = "--xla_force_host_platform_device_count"
 CHOICES = ("keep", "system")
 # glibc's mallopt parameters (malloc.h) and the values set.
 _M_TRIM_THRESHOLD, _M_MMAP_MAX, _M_ARENA_MAX = -1, -4, -8
 _SETTINGS = ((_M_ARENA_MAX, 1), (_M_MMAP_MAX, 0), (_M_TRIM_THRESHOLD, 2**31 - 1))
 
 _applied = False
+
+
+def prepare(cpu_devices: int, environ=os.environ) -> None:
+    """Everything this module sets up, for a run that will be on CPU (`zaya train` calls it before
+    JAX starts): freed memory kept unless `ZAYA_HOST_MALLOC=system`, and `cpu_devices` devices."""
+    if choice(environ) == "keep":
+        keep_freed_memory()
+    split_into_devices(cpu_devices, environ)
+
+
+def split_into_devices(count: int, environ=os.environ) -> bool:
+    """Have JAX start `count` CPU devices; False (left to JAX) for a count of 0, a count the
+    environment already fixes (XLA_FLAGS), or once JAX has started."""
+    import jax
+
+    from zaya_jax.kernels.xla_flags import backends_started
+
+    if count <= 0 or DEVICE_COUNT_FLAG in environ.get("XLA_FLAGS", "") or backends_started():
+        return False
+    jax.config.update("jax_num_cpu_devices", count)
+    return True
 
 
 def keep_freed_memory() -> bool:

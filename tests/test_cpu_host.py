@@ -1,0 +1,100 @@
+"""`cpu_host`: with freed memory kept, a jitted step's large buffers stop faulting in new pages."""
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from zaya_jax import cpu_host
+from zaya_jax.errors import ZayaError
+from xla_test_flags import xla_flags
+
+glibc_only = pytest.mark.skipif(cpu_host._glibc() is None, reason="mallopt is glibc's")
+
+# A train step in miniature (JAX not started before the setting, as in `zaya train`): the
+# backward of a 6-layer MLP over 16K rows, whose saved activations XLA:CPU allocates as one
+# ~100 MB block. Prints the minor page faults of each of 12 steps.
+PROBE = textwrap.dedent("""
+    import json, os, resource
+    from zaya_jax import cpu_host
+    if os.environ["KEEP"] == "1":
+        assert cpu_host.keep_freed_memory()
+    import jax, jax.numpy as jnp
+
+    def loss(ws, x):
+        for w in ws:
+            x = jnp.tanh(x @ w)
+        return jnp.sum(x * x)
+
+    ws = [jnp.full((256, 256), 0.01, jnp.float32) for _ in range(6)]
+    x = jnp.ones((16384, 256), jnp.float32)
+    step = jax.jit(jax.grad(loss))
+    for _ in range(3):
+        jax.block_until_ready(step(ws, x))
+    faults = []
+    for _ in range(12):
+        before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+        jax.block_until_ready(step(ws, x))
+        faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+    print(json.dumps(faults))
+""")
+
+
+def _faults_per_step(keep: bool) -> list[int]:
+    env = {**os.environ, "KEEP": "1" if keep else "0", "JAX_PLATFORMS": "cpu", "XLA_FLAGS": xla_flags(1)}
+    out = subprocess.run([sys.executable, "-c", PROBE], env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+@glibc_only
+def test_kept_memory_removes_the_page_faults_of_each_step():
+    pages = 16384 * 256 * 4 * 6 // 4096  # the six saved activations, in 4 KB pages
+    assert min(_faults_per_step(keep=False)) > pages  # glibc's defaults: every step maps its block afresh
+    # Kept: a step reuses the last one's pages. (Now and then the heap grows once more, when a step's
+    # block is asked for before the last one's is freed; most steps fault nothing.)
+    kept = sorted(_faults_per_step(keep=True))
+    assert kept[len(kept) // 2] < pages / 20, kept
+
+
+@glibc_only
+def test_too_late_once_jax_has_started():
+    probe = ("import jax; jax.devices(); from zaya_jax import cpu_host; "
+             "print(cpu_host.keep_freed_memory(), cpu_host.applied())")
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "JAX_PLATFORMS": "cpu"})
+    assert out.stdout.split() == ["False", "False"], out.stderr
+
+
+def test_choice_reads_the_environment_and_refuses_other_words():
+    assert cpu_host.choice({}) == "keep"
+    assert cpu_host.choice({cpu_host.ENV: "System"}) == "system"
+    with pytest.raises(ZayaError, match="ZAYA_HOST_MALLOC='always': use 'keep'"):
+        cpu_host.choice({cpu_host.ENV: "always"})
+
+
+def test_cpu_is_decided_by_jax_platforms_then_by_installed_plugins():
+    assert cpu_host.cpu_backend("cpu,cuda", ["xla_cuda12"])
+    assert not cpu_host.cpu_backend("cuda", [])
+    assert not cpu_host.cpu_backend(None, ["xla_cuda12"])
+    assert cpu_host.cpu_backend(None, [])
+    assert cpu_host.cpu_backend("", [])
+
+
+def test_split_into_devices_sets_jax_unless_the_environment_fixes_the_count(monkeypatch):
+    import jax
+
+    from zaya_jax.kernels import xla_flags
+
+    calls = []
+    monkeypatch.setattr(xla_flags, "backends_started", lambda: False)
+    monkeypatch.setattr(jax.config, "update", lambda name, value: calls.append((name, value)))
+    assert cpu_host.split_into_devices(2, {"XLA_FLAGS": "--xla_cpu_enable_fast_math=false"})
+    assert calls == [("jax_num_cpu_devices", 2)]
+    assert not cpu_host.split_into_devices(2, {"XLA_FLAGS": "--xla_force_host_platform_device_count=8"})
+    assert not cpu_host.split_into_devices(0, {})
+    assert calls == [("jax_num_cpu_devices", 2)]
+
