@@ -31,7 +31,6 @@ def get_config():
     config.optim.warmup_steps = 30
     config.optim.weight_decay = 0.0
     config.optim.balance_lr = 1e-2
-    config.optim.shard_over_data = False  # ZeRO-1's exchanges cost two CPU devices more than its memory saves here
 
     config.data.source = "builtin:python-docs"
     config.data.tokenizer = "bytes"

@@ -18,8 +18,7 @@ from zaya_jax.train.program import build_program
 
 TINY = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "experiments", "tiny_cpu.py")
 RUN = ["--config.train.global_batch_size=16", "--config.train.seq_len=32", "--config.model.num_hidden_layers=2",
-       "--config.train.loss_vocab_chunk=100", "--config.mesh.data=1",
-       "--config.optim.shard_over_data=true"]  # ZeRO-1 on, the default (tiny_cpu turns it off for its 2 CPU devices)
+       "--config.train.loss_vocab_chunk=100", "--config.mesh.data=1"]
 
 
 def _program(accum, *extra, **mesh):

@@ -24,8 +24,7 @@ STEPS = 12
 RUN = ["--config.train.steps=12", "--config.optim.warmup_steps=2", "--config.train.log_every=1",
        "--config.train.global_batch_size=8", "--config.train.seq_len=32", "--config.model.num_hidden_layers=2",
        "--config.eval.batches=1", "--config.train.progress=false", "--config.checkpoint.every_steps=4",
-       "--config.checkpoint.keep=3",
-       "--config.optim.shard_over_data=true"]  # ZeRO-1 on, the default (tiny_cpu turns it off for its 2 CPU devices)
+       "--config.checkpoint.keep=3"]
 
 
 def _env(devices=1):
