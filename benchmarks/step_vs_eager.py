@@ -14,8 +14,9 @@ At the `tiny_cpu` shapes (16 x 128 tokens, the same model), in one process on th
 
 Both frameworks use every core of the machine: PyTorch's intra-op pool, and our step as `zaya
 train` runs `tiny_cpu` (`zaya_jax/cpu_host.py`: one XLA device per core, data-parallel, with
-freed memory kept between steps; the process is set up so before either framework starts). The timed rounds alternate between them so that drift in the machine's speed hits both alike;
-each row is the median over rounds of the tokens/s of `--steps` steps.
+freed memory kept between steps; the process is set up so before either framework starts). The
+timed rounds alternate between them so that drift in the machine's speed hits both alike; each
+row is the median over rounds of the tokens/s of `--steps` steps.
 
     python benchmarks/step_vs_eager.py --out=benchmarks/step_vs_eager.json
 """

@@ -48,7 +48,6 @@ def test_short_run_writes_metrics_tensorboard_and_model(tmp_path):
     assert model(jnp.array([[3, 4, 5]])).shape == (1, 3, 272)
 
 
-
 def test_config_splits_the_cpu_into_devices_and_keeps_freed_memory(tmp_path):
     from zaya_jax import cpu_host
 
@@ -58,6 +57,7 @@ def test_config_splits_the_cpu_into_devices_and_keeps_freed_memory(tmp_path):
     mesh = next(line for line in result.stdout.splitlines() if line.strip().startswith("mesh"))
     assert "4 cpu device(s): data=4" in mesh
     assert ("host memory kept for reuse" in mesh) == (cpu_host._glibc() is not None)
+
 
 def _tensorboard_tags(path):
     from tensorboardX.proto import event_pb2
@@ -85,16 +85,24 @@ def _tensorboard_tags(path):
     (["--config.model.attention_kernel=cudnn"], "model.attention_kernel=cudnn cannot train: training packs", 1),
     (["--config.model.moe_kernel=hipblaslt"], "the hipblaslt grouped_matmul backend needs an AMD GPU (ROCm)", 1),
     (["--config.train.compile_cache="], "train.compile_cache must be 'workdir', 'off' or a directory", 1),
+    (["--config.train.cpu_devices=-1"], "train.cpu_devices must be >= 0, got -1", 1),
     (["--config.train.compile_cache=/dev/null/cache"], "train.compile_cache: cannot create /dev/null/cache", 1),
     (["--config.mesh.tensor=4", "--config.mesh.data=2"],
      "model.num_key_value_heads (2) is not divisible by mesh.tensor (4): CCA mixes the query heads", 8),
 ], ids=["unknown-key", "mistyped-override", "non-bool-zero1", "profile-window", "profile-after-the-end",
         "mesh-vs-devices", "batch-vs-data-axes", "missing-data", "missing-tokenizer",
         "unknown-kernel", "cudnn-attention-cannot-train", "hipblaslt-without-rocm", "empty-compile-cache",
+        "negative-cpu-devices",
         "unwritable-compile-cache", "kv-heads-vs-tensor"])
 def test_bad_inputs_are_one_line_errors(tmp_path, args, words, devices):
     result = zaya("train", f"--config={TINY}", f"--workdir={tmp_path / 'w'}", *args, devices=devices)
     _assert_clean_error(result, words)
+
+
+def test_a_bad_host_malloc_setting_is_a_one_line_error(tmp_path, monkeypatch):
+    monkeypatch.setenv("ZAYA_HOST_MALLOC", "always")
+    result = zaya("train", f"--config={TINY}", f"--workdir={tmp_path / 'w'}")
+    _assert_clean_error(result, "ZAYA_HOST_MALLOC='always': use 'keep'")
 
 
 @pytest.mark.parametrize("name, content, words", [

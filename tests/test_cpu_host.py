@@ -97,4 +97,3 @@ def test_split_into_devices_sets_jax_unless_the_environment_fixes_the_count(monk
     assert not cpu_host.split_into_devices(2, {"XLA_FLAGS": "--xla_force_host_platform_device_count=8"})
     assert not cpu_host.split_into_devices(0, {})
     assert calls == [("jax_num_cpu_devices", 2)]
-

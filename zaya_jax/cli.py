@@ -136,8 +136,7 @@ def _train(args: argparse.Namespace, extra: list[str]) -> int:
 
     attempt = Attempt.from_environ(os.environ, STARTED_AT)
     values, source = load_values(args.config, extra)
-    if cpu_host.will_run_on_cpu():
-        cpu_host.prepare(values["train.cpu_devices"])  # before JAX's CPU client starts its threads
+    cpu_host.prepare(values["train.cpu_devices"])  # before JAX's CPU client starts its threads
     topology = startup.start(startup.settings_from(
         args, initialization_timeout_s=values["distributed.initialization_timeout_s"],
         heartbeat_timeout_s=values["distributed.heartbeat_timeout_s"]))

@@ -18,8 +18,8 @@ share of the batch on its own core. A device count already in the environment (X
 `--xla_force_host_platform_device_count`, as the tests and layout explorations set it) wins.
 
 Both must happen before JAX creates its CPU client (a thread picks its malloc arena at its first
-allocation, and the client's threads allocate as soon as they start); `zaya train` calls `prepare`
-first when JAX will run on CPU (`will_run_on_cpu`).
+allocation, and the client's threads allocate as soon as they start); `zaya train` calls `prepare` first, which
+acts when JAX will run on CPU (`will_run_on_cpu`).
 """
 
 from __future__ import annotations
@@ -42,9 +42,13 @@ _applied = False
 
 
 def prepare(cpu_devices: int, environ=os.environ) -> None:
-    """Everything this module sets up, for a run that will be on CPU (`zaya train` calls it before
-    JAX starts): freed memory kept unless `ZAYA_HOST_MALLOC=system`, and `cpu_devices` devices."""
-    if choice(environ) == "keep":
+    """Everything this module sets up, if JAX will run on CPU (`zaya train` calls it before JAX
+    starts): freed memory kept unless `ZAYA_HOST_MALLOC=system`, and `cpu_devices` devices. A bad
+    `ZAYA_HOST_MALLOC` is an error on any platform."""
+    keep = choice(environ) == "keep"
+    if not will_run_on_cpu():
+        return
+    if keep:
         keep_freed_memory()
     split_into_devices(cpu_devices, environ)
 

@@ -32,7 +32,7 @@ import time
 import jax
 import numpy as np
 
-from zaya_jax import exit_codes, cpu_host
+from zaya_jax import cpu_host, exit_codes
 from zaya_jax.data.pipeline import DataPipeline, DataSettings
 from zaya_jax.drills import Drills
 from zaya_jax.drills import parse as parse_drills
