@@ -53,8 +53,15 @@ def test_bad_start_up_settings_are_one_line_and_exit_2(capsys, monkeypatch, tmp_
     ([3, 1], (0, 3)),  # no signal: the lower rank
     ([1, -9], (1, -9)),  # rank 1 was SIGKILLed and rank 0 exited because its peer vanished
     ([-15, -9], (0, -15)),
+    ([2, -6], (0, 2)),  # rank 0 stopped on bad input; rank 1 aborted when its coordinator left
+    ([-6, 2], (1, 2)),
+    ([3, -6], (0, 3)),  # rank 0's watchdog ended it; rank 1 aborted when its coordinator left
+    ([-6, 4], (1, 4)),
+    ([1, -6], (0, 1)),  # a crash and an abort: either may be the other's doing, so the lower rank
+    ([-6, 1], (0, -6)),
+    ([-6, -11], (1, -11)),  # a segfault is no peer's doing; the abort may be
 ])
-def test_the_launcher_reports_a_signalled_process_as_the_cause(codes, reported):
+def test_the_launcher_reports_the_likeliest_cause_of_a_jobs_end(codes, reported):
     from zaya_jax.cluster.launcher import first_failure
 
     assert first_failure(codes) == reported

@@ -7,7 +7,7 @@ import os
 import sys
 import time
 
-from zaya_jax.errors import ZayaError
+from zaya_jax.errors import ZayaError, raised_by_every_process
 
 
 
@@ -140,7 +140,8 @@ def _train(args: argparse.Namespace, extra: list[str]) -> int:
     topology = startup.start(startup.settings_from(
         args, initialization_timeout_s=values["distributed.initialization_timeout_s"],
         heartbeat_timeout_s=values["distributed.heartbeat_timeout_s"]))
-    exp = validate(unflatten(values), source=source)
+    with raised_by_every_process():  # the same config on every process of a job
+        exp = validate(unflatten(values), source=source)
     summary = train(exp, args.workdir, devices=topology.order(jax.devices()), topology=topology, attempt=attempt)
     return summary["exit_code"]  # stopped early: tell the supervisor how (zaya_jax/exit_codes.py)
 

@@ -4,6 +4,8 @@ Anything a user can get wrong (a config value, a path, a checkpoint) raises `Zay
 The CLI prints its message on one line and exits with status 2; library callers can catch it.
 """
 
+import contextlib
+
 from zaya_jax import exit_codes
 
 
@@ -17,3 +19,15 @@ class ZayaError(Exception):
         # Raised by every process of a job at once (a check on data they all share): they can
         # leave together through JAX's shutdown barrier, so none sees the coordinator vanish.
         self.every_process = every_process
+
+
+@contextlib.contextmanager
+def raised_by_every_process():
+    """Checks inside look only at what every process of a job shares (the config, the global
+    devices), so an error in one is an error in all: mark it so they leave together."""
+    try:
+        yield
+    except ZayaError as e:
+        if e.every_process:
+            raise
+        raise ZayaError(str(e), every_process=True) from None

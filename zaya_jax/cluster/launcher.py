@@ -4,7 +4,7 @@
 runs `zaya COMMAND ...` N times on this machine as processes R·N ... R·N+N-1 of an N·M-process
 JAX job: each gets the explicit start-up settings (`cluster/startup.ENV`) and either one local
 GPU (`JAX_LOCAL_DEVICE_IDS=i`) or, with `--cpu-devices K`, K CPU devices. Their output lines
-are prefixed `[i]`. When one process fails, the others get SIGTERM and, after `--grace-s`,
+are prefixed `[i]`, whole (`cluster/relay.py`). When one process fails, the others get SIGTERM and, after `--grace-s`,
 SIGKILL (each runs in its own process group, so nothing it started survives), and the launcher
 exits with the failed process's status. SIGTERM or Ctrl-C to the launcher is passed on as
 SIGTERM, so a training job saves a checkpoint and stops; a second one kills.
@@ -31,6 +31,7 @@ import threading
 import time
 
 from zaya_jax import exit_codes
+from zaya_jax.cluster.relay import relay
 from zaya_jax.cluster.startup import ENV, NODE_ENV
 from zaya_jax.errors import ZayaError
 from zaya_jax.train.events import ATTEMPT_ENV
@@ -201,11 +202,12 @@ class Supervisor:
         self._stop_requests = 0
         self.failed_at: float | None = None  # wall time the first failure was seen
         self.failure_text = ""
-        self._relays = [threading.Thread(target=_relay, args=(stream, sink, f"[{first_id + i}] "), daemon=True)
+        lock = threading.Lock()  # one line at a time, whichever process it comes from
+        self._relays = [threading.Thread(target=relay, args=(stream, sink, f"[{first_id + i}] ", lock), daemon=True)
                         for i, child in enumerate(children)
                         for stream, sink in ((child.stdout, sys.stdout), (child.stderr, sys.stderr))]
-        for relay in self._relays:
-            relay.start()
+        for thread in self._relays:
+            thread.start()
 
     def wait(self) -> int:
         """The job's status: 0, or the first failed process's (128+s for a signal s)."""
@@ -215,8 +217,8 @@ class Supervisor:
         finally:
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
-        for relay in self._relays:
-            relay.join(timeout=5)
+        for thread in self._relays:
+            thread.join(timeout=5)
         if failure is None:
             return 0
         index, code = failure
@@ -284,31 +286,26 @@ class Supervisor:
 def first_failure(codes: list[int | None]) -> tuple[int, int] | None:
     """(index, return code) of the failure to report among the children's `poll()` codes, or None.
 
-    When several have failed by the same poll, a process killed by a signal comes first: its peers
-    usually exited only because it vanished (a collective lost its partner), so it is the cause.
+    When several have failed by the same poll, the likeliest cause comes first, then the lower rank:
+    1. an exit our code chose about itself (bad input, hung, repeated bad steps): never a peer's
+       doing, and bad input must not be reported as a restartable failure;
+    2. a signal other than SIGABRT (SIGKILL, SIGSEGV, ...): its peers usually ended only because
+       it vanished (a collective lost its partner);
+    3. a crash or SIGABRT, what a peer dies of when a process leaves: JAX's client aborts when
+       the coordinator process 0 hosted is gone.
     """
     failed = [(i, c) for i, c in enumerate(codes) if c not in (None, 0)]
-    return min(failed, key=lambda ic: (ic[1] >= 0, ic[0]), default=None)
+    return min(failed, key=lambda ic: (_cause_rank(ic[1]), ic[0]), default=None)
+
+
+def _cause_rank(returncode: int) -> int:
+    if returncode in (exit_codes.BAD_INPUT, exit_codes.HUNG, exit_codes.BAD_STEPS):
+        return 0
+    if returncode < 0 and -returncode != signal.SIGABRT:
+        return 1
+    return 2
 
 
 def _status(returncode: int) -> int:
     """A child's exit status as a shell reports it: killed by signal s is 128 + s (Popen says -s)."""
     return returncode if returncode >= 0 else 128 - returncode
-
-
-def _relay(stream, sink, prefix: str) -> None:
-    """Copy a child's output to ours, each line (or progress-bar redraw after \\r) prefixed."""
-    at_start = True
-    for chunk in iter(lambda: stream.read1(65536), b""):
-        text = chunk.decode(errors="replace")
-        pieces = re.split(r"([\r\n])", text)
-        out = []
-        for piece in pieces:
-            if piece in ("\r", "\n"):
-                out.append(piece)
-                at_start = True
-            elif piece:
-                out.append((prefix if at_start else "") + piece)
-                at_start = False
-        sink.write("".join(out))
-        sink.flush()

@@ -17,7 +17,7 @@ import numpy as np
 from jax.sharding import AxisType, Mesh
 
 from zaya_jax.config import ModelConfig
-from zaya_jax.errors import ZayaError
+from zaya_jax.errors import ZayaError, raised_by_every_process
 from zaya_jax.model.cca import look_back
 from zaya_jax.parallel import zigzag as zigzag_layout
 from zaya_jax.parallel.axes import BATCH_AXES, MESH_AXES, PLACEMENT, SEQUENCE_AXES
@@ -109,7 +109,10 @@ def build_mesh(sizes: dict[str, int], devices=None) -> Mesh:
 
 def mesh_for(requested: dict[str, int], model: ModelConfig, micro_batch: int, seq_len: int, devices=None,
              zigzag: bool = True) -> Mesh:
+    """The run's mesh; a layout that cannot work is a `ZayaError` every process of a job raises at
+    once (they lay the same config over the same devices), so they leave together."""
     devices = list(devices if devices is not None else jax.devices())
-    sizes = resolve_axis_sizes(requested, len(devices))
-    check_layout(sizes, model, micro_batch, seq_len, zigzag)
+    with raised_by_every_process():
+        sizes = resolve_axis_sizes(requested, len(devices))
+        check_layout(sizes, model, micro_batch, seq_len, zigzag)
     return build_mesh(sizes, devices)
