@@ -32,6 +32,7 @@ def test_short_run_writes_metrics_tensorboard_and_model(tmp_path):
     assert "warmup  optim.warmup_steps (30) does not fit the 4-step schedule: warming up over 0 step(s)" in result.stdout
     assert "metrics.jsonl" in result.stdout and "tensorboard" in result.stdout
     assert "kernels attention xla, experts tiled, norm xla" in result.stdout  # CPU defaults, named in the banner
+    assert "train.cpu_devices=2 not applied: XLA_FLAGS' --xla_force_host_platform_device_count set 1" in result.stdout
     records = [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
     train = [r for r in records if "loss" in r]
     assert [r["step"] for r in train] == [1, 2, 4]
@@ -55,7 +56,7 @@ def test_config_splits_the_cpu_into_devices_and_keeps_freed_memory(tmp_path):
                   "--config.train.cpu_devices=4", devices=None)
     assert result.returncode == 0, result.stderr
     mesh = next(line for line in result.stdout.splitlines() if line.strip().startswith("mesh"))
-    assert "4 cpu device(s): data=4" in mesh
+    assert "4 cpu device(s): data=4" in mesh and "not applied" not in mesh
     assert ("host memory kept for reuse" in mesh) == (cpu_host._glibc() is not None)
 
 

@@ -66,6 +66,16 @@ def split_into_devices(count: int, environ=os.environ) -> bool:
     return True
 
 
+def devices_note(requested: int, started: int, environ=os.environ) -> str:
+    """Why this process has `started` CPU devices rather than `train.cpu_devices` (`requested`),
+    for the run's banner; "" when they agree or nothing was requested."""
+    if requested <= 0 or requested == started:
+        return ""
+    why = (f"XLA_FLAGS' {DEVICE_COUNT_FLAG} set {started}" if DEVICE_COUNT_FLAG in environ.get("XLA_FLAGS", "")
+           else "JAX had started before it could be set")
+    return f"; train.cpu_devices={requested} not applied: {why}"
+
+
 def keep_freed_memory() -> bool:
     """Make glibc's malloc keep freed memory for reuse (one arena, no mmap, no trim); True if it
     took effect, False where the C library is not glibc or JAX has started already (too late)."""

@@ -461,8 +461,11 @@ def _banner(out, exp: Experiment, program: Program, data: DataPipeline, workdir:
     kernels = {name: describe_kernel(name, backend) for name, backend in program.kernels().items()}
     print(f"  kernels attention {kernels['attention']}, experts {kernels['grouped_matmul']}, "
           f"norm {kernels['rms_norm']}", file=out)
-    kept = "; host memory kept for reuse between steps (ZAYA_HOST_MALLOC)" if cpu_host.applied() else ""
-    print(f"  mesh    {program.mesh.size} {program.mesh.devices.flat[0].platform} device(s): {axes}{kept}", file=out)
+    platform = program.mesh.devices.flat[0].platform
+    host = "; host memory kept for reuse between steps (ZAYA_HOST_MALLOC)" if cpu_host.applied() else ""
+    if platform == "cpu":
+        host += cpu_host.devices_note(c.train.cpu_devices, jax.local_device_count())
+    print(f"  mesh    {program.mesh.size} {platform} device(s): {axes}{host}", file=out)
     if topology.process_count > 1:
         across = ", ".join(topology.axes_across_nodes(program.mesh)) or "none"
         print(f"  cluster {topology.process_count} processes on {topology.nodes} node(s); axes across nodes: "
