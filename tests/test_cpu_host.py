@@ -97,3 +97,12 @@ def test_split_into_devices_sets_jax_unless_the_environment_fixes_the_count(monk
     assert not cpu_host.split_into_devices(2, {"XLA_FLAGS": "--xla_force_host_platform_device_count=8"})
     assert not cpu_host.split_into_devices(0, {})
     assert calls == [("jax_num_cpu_devices", 2)]
+
+
+@pytest.mark.parametrize("flags,want", [
+    ("", "--xla_force_host_platform_device_count=4"),
+    ("--xla_cpu_foo=1 --xla_force_host_platform_device_count=8", "--xla_cpu_foo=1 --xla_force_host_platform_device_count=4"),
+    ("--xla_force_host_platform_device_count=8  --a=1", "--a=1 --xla_force_host_platform_device_count=4"),
+])
+def test_a_device_count_replaces_the_one_in_xla_flags(flags, want):
+    assert cpu_host.with_device_count(flags, 4) == want

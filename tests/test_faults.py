@@ -6,7 +6,6 @@ drills (`zaya_jax/drills.py`): a SIGKILL a rank sends itself is `kill -9` of tha
 import json
 import os
 import re
-import signal
 import subprocess
 import sys
 import time

@@ -115,18 +115,18 @@ def _fresh_python(code: str) -> dict:
 
 
 def test_in_a_fresh_process_the_flag_is_appended_and_jax_starts_with_it():
-    seen = _fresh_python(f"""
+    seen = _fresh_python("""
 import json, os
 from zaya_jax.errors import ZayaError
 from zaya_jax.kernels import xla_flags
-out = {{"started_before": xla_flags.backends_started()}}
-xla_flags.require({{"moe_kernel": "cudnn"}})
-xla_flags.require({{"moe_kernel": "cudnn"}})
+out = {"started_before": xla_flags.backends_started()}
+xla_flags.require({"moe_kernel": "cudnn"})
+xla_flags.require({"moe_kernel": "cudnn"})
 out["flags"] = os.environ["XLA_FLAGS"]
 import jax
 out["devices"] = len(jax.devices())  # XLA parsed XLA_FLAGS (an unknown flag aborts the process)
 try:
-    xla_flags.require({{"moe_kernel": "hipblaslt"}})
+    xla_flags.require({"moe_kernel": "hipblaslt"})
 except ZayaError as e:
     out["after"] = str(e)
 print(json.dumps(out))

@@ -29,8 +29,9 @@ def parse_args(argv):
 def main(argv=None) -> int:
     args, overrides = parse_args(argv)
     os.environ["JAX_PLATFORMS"] = "cpu"
-    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
-                               f" --xla_force_host_platform_device_count={args.devices}").strip()
+    from zaya_jax.cpu_host import with_device_count
+
+    os.environ["XLA_FLAGS"] = with_device_count(os.environ.get("XLA_FLAGS", ""), args.devices)
     from zaya_jax.errors import ZayaError
     from zaya_jax.experiment import load_experiment
     from zaya_jax.train.program import build_program

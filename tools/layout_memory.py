@@ -72,7 +72,9 @@ def main(argv=None) -> int:
               file=sys.stderr)
         return 2
     os.environ["JAX_PLATFORMS"] = "cpu"
-    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
+    from zaya_jax.cpu_host import with_device_count
+
+    os.environ["XLA_FLAGS"] = with_device_count(os.environ.get("XLA_FLAGS", ""), 8)
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     from compile_step import compile_report
 

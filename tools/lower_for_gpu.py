@@ -59,8 +59,9 @@ def main(argv=None) -> int:
     except ValueError as e:
         return _fail(str(e))
     os.environ["JAX_PLATFORMS"] = "cpu"
-    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
-                               f" --xla_force_host_platform_device_count={args.devices}").strip()
+    from zaya_jax.cpu_host import with_device_count
+
+    os.environ["XLA_FLAGS"] = with_device_count(os.environ.get("XLA_FLAGS", ""), args.devices)
     from zaya_jax.errors import ZayaError
     from zaya_jax.train.program import program_for_target
 

@@ -30,6 +30,7 @@ import importlib.metadata
 import importlib.util
 import os
 import pkgutil
+import re
 
 ENV = "ZAYA_HOST_MALLOC"  # "keep" (the default on CPU) or "system"
 DEVICE_COUNT_FLAG = "--xla_force_host_platform_device_count"
@@ -51,6 +52,12 @@ def prepare(cpu_devices: int, environ=os.environ) -> None:
     if keep:
         keep_freed_memory()
     split_into_devices(cpu_devices, environ)
+
+
+def with_device_count(xla_flags: str, count: int) -> str:
+    """XLA_FLAGS' value `xla_flags` with its CPU device count set to `count` (any earlier one dropped)."""
+    kept = re.sub(rf"{DEVICE_COUNT_FLAG}=\S+", "", xla_flags).split()
+    return " ".join([*kept, f"{DEVICE_COUNT_FLAG}={count}"])
 
 
 def split_into_devices(count: int, environ=os.environ) -> bool:

@@ -11,6 +11,7 @@ import argparse
 import os
 import re
 
+from zaya_jax.cpu_host import DEVICE_COUNT_FLAG
 from zaya_jax.errors import ZayaError
 from zaya_jax.explore.collectives import OPS
 from zaya_jax.parallel.axes import MESH_AXES
@@ -182,7 +183,7 @@ def run(args, extra: list[str], devices=None, topology=None) -> int:
     for layout in layouts:
         if max(layout.values()) == 1:
             raise ZayaError(f"nothing to measure: every mesh axis is 1 on this run's {len(devices)} device(s); "
-                            "collectives need 2 or more (on CPU: XLA_FLAGS=--xla_force_host_platform_device_count=8)")
+                            f"collectives need 2 or more (on CPU: XLA_FLAGS={DEVICE_COUNT_FLAG}=8)")
     platform = devices[0].platform
     sizes = sizes or (CPU_SIZES if platform == "cpu" else ACCEL_SIZES)
     lead = jax.process_index() == 0

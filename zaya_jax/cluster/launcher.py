@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import re
 import signal
 import socket
 import subprocess
@@ -31,6 +30,7 @@ import threading
 import time
 
 from zaya_jax import exit_codes
+from zaya_jax.cpu_host import with_device_count
 from zaya_jax.cluster.relay import relay
 from zaya_jax.cluster.startup import ENV, NODE_ENV
 from zaya_jax.errors import ZayaError
@@ -184,8 +184,7 @@ def _start(args, command: list[str], local: int, address: str, total: int, attem
                 ENV["process_id"]: str(args.node_rank * args.nproc + local), NODE_ENV: f"node-{args.node_rank}",
                 "PYTHONUNBUFFERED": "1"})
     if args.cpu_devices:
-        flags = re.sub(r"--xla_force_host_platform_device_count=\S+", "", env.get("XLA_FLAGS", ""))
-        env.update(JAX_PLATFORMS="cpu", XLA_FLAGS=f"{flags} --xla_force_host_platform_device_count={args.cpu_devices}".strip())
+        env.update(JAX_PLATFORMS="cpu", XLA_FLAGS=with_device_count(env.get("XLA_FLAGS", ""), args.cpu_devices))
         env.pop(ENV["local_device_ids"], None)
     else:
         env[ENV["local_device_ids"]] = str(local)

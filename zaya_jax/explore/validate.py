@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import time
 
+from zaya_jax.cpu_host import DEVICE_COUNT_FLAG
 from zaya_jax.errors import ZayaError
 
 
@@ -55,7 +56,7 @@ def validate(config_path: str, overrides: list[str], layouts: list[dict[str, int
         n = total(layout)
         if len(devices) < n:
             raise ZayaError(f"--validate needs {n} devices and JAX sees {len(devices)}; run with "
-                            f"XLA_FLAGS=--xla_force_host_platform_device_count={n} JAX_PLATFORMS=cpu")
+                            f"XLA_FLAGS={DEVICE_COUNT_FLAG}={n} JAX_PLATFORMS=cpu")
         start = time.perf_counter()
         out[describe(layout)] = compile_layout(config_path, overrides, layout, devices[:n])
         progress(f"validate {i}/{len(layouts)}: {describe(layout)} compiled in {time.perf_counter() - start:.1f}s")

@@ -24,7 +24,6 @@ documents are contiguous, so that term needs no chunking. The registry entry poi
 
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 
 

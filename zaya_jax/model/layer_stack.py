@@ -22,7 +22,7 @@ has the mixer of its kind only (`layers/3/attn/...` or `layers/3/linear_attn/...
 
 from __future__ import annotations
 
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Callable, Mapping
 
 import jax
 import jax.numpy as jnp

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 from typing import Iterable
 
-import jax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 RULES: dict[str, tuple[str, ...]] = {
