@@ -258,10 +258,20 @@ def test_processes_given_different_counts_stop_in_one_line(tmp_path):
     assert "the processes disagree on the process count: process 1 was given 3, the coordinator 2" in results[1][1]
 
 
-def test_a_mesh_that_does_not_fill_the_processes_devices_is_one_line(tmp_path):
-    done = _zaya(["launch", "-n", "2", "--cpu-devices", "2", "--", *_train_args(tmp_path, 1, "--config.mesh.data=3")])
-    assert done.returncode == 2
-    assert "[0] zaya: error: " in done.stderr and "needs 3 devices but this run has 4" in done.stderr
+@pytest.mark.parametrize("override,needle", [
+    ("--config.mesh.data=3", "needs 3 devices but this run has 4"),  # the mesh
+    ("--config.model.attention_kernel=cudnn", "cuDNN path has no mask"),  # validation against the devices
+])
+def test_a_config_every_process_refuses_ends_the_job_as_bad_input(tmp_path, override, needle):
+    """Both processes raise the error and leave together (JAX's shutdown barrier): neither dies of
+    SIGABRT when process 0's coordinator goes, and the launcher reports bad input (no restart)."""
+    done = _zaya(["launch", "-n", "2", "--cpu-devices", "2", "--max-restarts", "2", "--",
+                  *_train_args(tmp_path, 1, override)])
+    assert done.returncode == 2, done.stderr[-2000:]
+    errors = [line for line in done.stderr.splitlines() if needle in line]
+    assert sorted(line[:17] for line in errors) == ["[0] zaya: error: ", "[1] zaya: error: "]
+    assert "SIGABRT" not in done.stderr
+    assert done.stderr.strip().splitlines()[-1] == "zaya launch: not restarting: process 0 stopped on bad input (status 2)"
 
 
 def _free_port() -> int:
