@@ -23,9 +23,10 @@ def relay(stream, sink, prefix: str, lock: threading.Lock) -> None:
     """Copy `stream` (a child's pipe) to `sink` until the child closes it."""
     fd, decoder = stream.fileno(), codecs.getincrementaldecoder("utf-8")(errors="replace")
     line = _Line(sink, prefix, lock)
+    poller = select.poll()  # not select(): no limit on the descriptor's number
+    poller.register(fd, select.POLLIN)
     while True:
-        ready, _, _ = select.select([fd], [], [], PARTIAL_WAIT_S if line.pending else None)
-        if not ready:
+        if not poller.poll(PARTIAL_WAIT_S * 1000 if line.pending else None):
             line.flush_partial()
             continue
         chunk = os.read(fd, 65536)
