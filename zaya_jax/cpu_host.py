@@ -18,8 +18,8 @@ share of the batch on its own core. A device count already in the environment (X
 `--xla_force_host_platform_device_count`, as the tests and layout explorations set it) wins.
 
 Both must happen before JAX creates its CPU client (a thread picks its malloc arena at its first
-allocation, and the client's threads allocate as soon as they start); `zaya train` calls `prepare` first, which
-acts when JAX will run on CPU (`will_run_on_cpu`).
+allocation, and the client's threads allocate as soon as they start); `zaya train` calls
+`prepare` first, which acts when JAX will run on CPU (`will_run_on_cpu`).
 """
 
 from __future__ import annotations
@@ -67,7 +67,7 @@ def split_into_devices(count: int, environ=os.environ) -> bool:
 
     from zaya_jax.kernels.xla_flags import backends_started
 
-    if count <= 0 or DEVICE_COUNT_FLAG in environ.get("XLA_FLAGS", "") or backends_started():
+    if count <= 0 or _count_in_flags(environ) or backends_started():
         return False
     jax.config.update("jax_num_cpu_devices", count)
     return True
@@ -78,9 +78,14 @@ def devices_note(requested: int, started: int, environ=os.environ) -> str:
     for the run's banner; "" when they agree or nothing was requested."""
     if requested <= 0 or requested == started:
         return ""
-    why = (f"XLA_FLAGS' {DEVICE_COUNT_FLAG} set {started}" if DEVICE_COUNT_FLAG in environ.get("XLA_FLAGS", "")
-           else "JAX had started before it could be set")
+    why = f"XLA_FLAGS' {DEVICE_COUNT_FLAG} set {started}" if _count_in_flags(environ) else \
+        "JAX had started before it could be set"
     return f"; train.cpu_devices={requested} not applied: {why}"
+
+
+def _count_in_flags(environ) -> bool:
+    """Whether XLA_FLAGS fixes the CPU device count (it then wins over `train.cpu_devices`)."""
+    return DEVICE_COUNT_FLAG in environ.get("XLA_FLAGS", "")
 
 
 def keep_freed_memory() -> bool:

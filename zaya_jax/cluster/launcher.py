@@ -4,10 +4,11 @@
 runs `zaya COMMAND ...` N times on this machine as processes R·N ... R·N+N-1 of an N·M-process
 JAX job: each gets the explicit start-up settings (`cluster/startup.ENV`) and either one local
 GPU (`JAX_LOCAL_DEVICE_IDS=i`) or, with `--cpu-devices K`, K CPU devices. Their output lines
-are prefixed `[i]`, whole (`cluster/relay.py`). When one process fails, the others get SIGTERM and, after `--grace-s`,
-SIGKILL (each runs in its own process group, so nothing it started survives), and the launcher
-exits with the failed process's status. SIGTERM or Ctrl-C to the launcher is passed on as
-SIGTERM, so a training job saves a checkpoint and stops; a second one kills.
+are prefixed `[i]`, each written whole (`cluster/relay.py`). When one process fails, the others
+get SIGTERM and, after `--grace-s`, SIGKILL (each runs in its own process group, so nothing it
+started survives), and the launcher exits with the failed process's status. SIGTERM or Ctrl-C to
+the launcher is passed on as SIGTERM, so a training job saves a checkpoint and stops; a second
+one kills.
 
 With `--max-restarts K` the launcher is also the job's supervisor on one node: when a process
 fails (`exit_codes.restartable`: crashed, killed, hung) it ends the others and starts the whole
@@ -30,9 +31,9 @@ import threading
 import time
 
 from zaya_jax import exit_codes
-from zaya_jax.cpu_host import with_device_count
 from zaya_jax.cluster.relay import relay
 from zaya_jax.cluster.startup import ENV, NODE_ENV
+from zaya_jax.cpu_host import with_device_count
 from zaya_jax.errors import ZayaError
 from zaya_jax.train.events import ATTEMPT_ENV
 
