@@ -3,6 +3,7 @@ every bad input is one line on stderr, exit status 2, no traceback."""
 
 import json
 import os
+import re
 import struct
 import subprocess
 import sys
@@ -25,8 +26,11 @@ def zaya(*args, devices=1):
 
 
 def test_short_run_writes_metrics_tensorboard_and_model(tmp_path):
+    """Also the default console: the progress bar (train.progress's default, on here) shows each logged
+    step's loss, tokens/s and MFU as metrics.jsonl records them, and ends on the full bar."""
     workdir = tmp_path / "run"
-    quick = [a for a in QUICK if not a.startswith("--config.optim.warmup_steps")]  # tiny_cpu's 30: a smoke run
+    quick = [a for a in QUICK if not a.startswith(("--config.optim.warmup_steps",  # tiny_cpu's 30: a smoke run
+                                                   "--config.train.progress"))]
     result = zaya("train", f"--config={TINY}", f"--workdir={workdir}", *quick, "--config.checkpoint.every_steps=2")
     assert result.returncode == 0, result.stderr
     assert "warmup  optim.warmup_steps (30) does not fit the 4-step schedule: warming up over 0 step(s)" in result.stdout
@@ -40,6 +44,7 @@ def test_short_run_writes_metrics_tensorboard_and_model(tmp_path):
         assert key in train[-1], key
     assert len(train[-1]["expert_load"]) == 2 and len(train[-1]["expert_load"][0]) == 5  # layers x (E + skip)
     assert any("eval_loss" in r for r in records)
+    _assert_progress_bar(result, train, next(r["eval_loss"] for r in records if "eval_loss" in r))
     events = list((workdir / "tensorboard").iterdir())
     assert events and _tensorboard_tags(events[0]) >= {"loss", "lr", "grad_norm", "mfu", "tokens_per_sec"}
     assert sorted(os.listdir(workdir / "checkpoints")) == ["2", "4"]  # every 2 steps and at the end
@@ -58,6 +63,18 @@ def test_config_splits_the_cpu_into_devices_and_keeps_freed_memory(tmp_path):
     mesh = next(line for line in result.stdout.splitlines() if line.strip().startswith("mesh"))
     assert "4 cpu device(s): data=4" in mesh and "not applied" not in mesh
     assert ("host memory kept for reuse" in mesh) == (cpu_host._glibc() is not None)
+
+
+def _assert_progress_bar(result, train, eval_loss):
+    """tqdm redraws the bar in place with \\r on stderr; notes (the held-out loss) get lines of their own."""
+    fields = lambda r: f"loss={r['loss']:.4f} tok/s={r['tokens_per_sec']:.0f} mfu={100 * r['mfu']:.1f}%"  # noqa: E731
+    for record in train:
+        assert fields(record) in result.stderr, (fields(record), result.stderr)
+    redraws = [part.strip() for part in re.split(r"[\r\n]", result.stderr) if part.strip()]
+    final = r"train: 100%\|█+\| 4/4 \[.*, " + re.escape(fields(train[-1])) + r"\]"
+    assert re.fullmatch(final, redraws[-1]), redraws[-1]
+    assert f"step 4: held-out loss {eval_loss:.4f}" in redraws
+    assert not re.search(r"train: +\d+%\|", result.stdout)  # the bar is stderr's; stdout stays a plain log
 
 
 def _tensorboard_tags(path):

@@ -98,6 +98,44 @@ def test_load_reads_hf_directories_directly(hf_dir):
     assert np.abs(ours - ref).max() <= 1e-4 * np.abs(ref).max()
 
 
+def test_sharded_bf16_hf_checkpoint_imports_exactly(tmp_path, capsys):
+    """The HF reading path as real ZAYA releases use it: bf16 tensors in several shards plus
+    `model.safetensors.index.json`, written by transformers itself. Every imported array is HF's
+    bf16 tensor widened to fp32 bit for bit; `zaya_jax.load` on the directory gives HF's logits."""
+    from safetensors import safe_open
+    from zaya_jax.checkpoint import hf_mapping, orbax_store
+    from zaya_jax.model.state import expected_shapes
+
+    model = hf_model(CFG, seed=11).to(torch.bfloat16)
+    hf_dir = str(tmp_path / "hf_bf16")
+    model.save_pretrained(hf_dir, max_shard_size="100KB")  # the tiny model is ~250 KB in bf16
+    shards = sorted(glob.glob(os.path.join(hf_dir, "*.safetensors")))
+    index = json.load(open(os.path.join(hf_dir, "model.safetensors.index.json")))
+    assert len(shards) >= 2 and set(index["weight_map"].values()) == {os.path.basename(f) for f in shards}
+    for shard in shards:  # the file really holds bf16, as safetensors itself reads it
+        with safe_open(shard, "pt") as f:
+            assert {f.get_slice(name).get_dtype() for name in f.keys()} == {"BF16"}, shard
+
+    # Expected: HF's own in-memory tensors, widened to fp32 (exact), laid out by the mapping table.
+    hf = {k: v.float().numpy() for k, v in model.state_dict().items()}
+    shapes = expected_shapes(CFG)
+    want = {}
+    for group in hf_mapping.grouped_rules(CFG).values():
+        want.update(hf_mapping.convert_group_to_ours(group, hf.__getitem__, shapes, "hf"))
+    ckpt = str(tmp_path / "ckpt")
+    capsys.readouterr()  # transformers' own progress bar
+    assert main(["convert", "from-hf", f"--hf={hf_dir}", f"--out={ckpt}", "--quiet"]) == 0, capsys.readouterr().err
+    got = orbax_store.load_arrays(ckpt, shapes, shapes)
+    assert set(got) == set(want)
+    for key in want:
+        assert got[key].dtype == np.float32 and np.array_equal(got[key], want[key]), key
+
+    ids = np.random.RandomState(2).randint(0, CFG.vocab_size, (2, 11))
+    ref = hf_logits(model.float(), ids)  # HF's forward in fp32 on the bf16-valued weights
+    ours = np.asarray(load(hf_dir)(jnp.asarray(ids)))
+    assert np.abs(ours - ref).max() <= 1e-4 * np.abs(ref).max()
+
+
 # ---------------------------------------------------------------------------------------------
 # Bad inputs: one line on stderr naming the problem, exit code 2, nothing written.
 

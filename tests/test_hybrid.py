@@ -1,5 +1,5 @@
-"""Hybrid ZAYA models (`model.layer_pattern`): the linear-attention layer against its quadratic
-reference, the scan over the pattern's unit, documents kept apart, the per-layer interchange form,
+"""Hybrid ZAYA models (`model.layer_pattern`): the linear-attention layer against a token-by-token
+recurrence written from its equations, the scan over the pattern's unit, documents kept apart, the per-layer interchange form,
 and the config's refusals."""
 
 import dataclasses
@@ -14,7 +14,6 @@ from flax import nnx
 from zaya_jax.cli import main
 from zaya_jax.config import HYBRID_FIELDS, preset, to_hf_dict
 from zaya_jax.errors import ZayaError
-from zaya_jax.kernels import linear_attention as la
 from zaya_jax.model import Zaya
 from zaya_jax.model import linear_attn
 from zaya_jax.model.layer_stack import per_layer, repeating_unit
@@ -34,32 +33,83 @@ def _layer(cfg):
     return linear_attn.LinearAttention(cfg, rngs=nnx.Rngs(1))
 
 
-@pytest.mark.parametrize("decay", ["none", "retention"])
-@pytest.mark.parametrize("feature_map", ["elu1", "silu"])
-def test_the_linear_layer_equals_its_quadratic_reference(decay, feature_map):
+def _recurrence_torch(x, w, segments, feature_map, decay, eps):
+    """The layer from its docstring's equations alone, in float64 torch, token by token:
+    S_t = λ_h·S_{t−1} + φ(k_t)ᵀ v_t (zeroed where a document starts), o_t = q_t S_t with
+    q = φ(x Wq)·d^-½ (query head h reading KV head h // (nq/nk)), λ_h = 1 − 2^(−5−h) for
+    retention, then (RMSNorm_head(o) ⊙ w_norm) ⊙ silu(x Wg), then Wo."""
+    import torch
+
+    phi = {"elu1": lambda t: torch.nn.functional.elu(t) + 1, "silu": torch.nn.functional.silu,
+           "identity": lambda t: t}[feature_map]
+    batch, length, _ = x.shape
+    nq, d = w["wq"].shape[1:]
+    group = nq // w["wk"].shape[1]
+    q = phi(torch.einsum("bsh,hnd->bsnd", x, w["wq"])) * d ** -0.5
+    k = phi(torch.einsum("bsh,hnd->bsnd", x, w["wk"])).repeat_interleave(group, dim=2)
+    v = torch.einsum("bsh,hnd->bsnd", x, w["wv"]).repeat_interleave(group, dim=2)
+    lam = (1 - 2.0 ** (-5.0 - torch.arange(nq, dtype=torch.float64)) if decay == "retention"
+           else torch.ones(nq, dtype=torch.float64))
+    state = torch.zeros(batch, nq, d, d, dtype=torch.float64)
+    outs = []
+    for t in range(length):
+        starts = torch.ones(batch, dtype=torch.bool) if t == 0 else segments[:, t] != segments[:, t - 1]
+        state = torch.where(starts[:, None, None, None], 0.0, state)
+        state = lam[None, :, None, None] * state + k[:, t, :, :, None] * v[:, t, :, None, :]
+        outs.append(torch.einsum("bnd,bnde->bne", q[:, t], state))
+    o = torch.stack(outs, dim=1)  # [B, S, nq, d]
+    o = o * torch.rsqrt((o * o).mean(-1, keepdim=True) + eps) * w["out_norm"]
+    y = o * torch.nn.functional.silu(torch.einsum("bsh,hnd->bsnd", x, w["wg"]))
+    return torch.einsum("bsnd,ndh->bsh", y, w["wo"])
+
+
+@pytest.mark.parametrize("decay, feature_map", [("retention", "elu1"), ("none", "silu")])
+def test_the_linear_layer_equals_a_token_by_token_recurrence_written_from_its_equations(decay, feature_map):
+    """Values and gradients (every weight, and x) of the layer against `_recurrence_torch`, which
+    reads only the raw weights. 80 tokens: two of the xla backend's 64-token chunks, with documents
+    starting inside the first chunk, across the chunk edge and inside the second."""
+    torch = pytest.importorskip("torch")
     cfg = CFG.replace(linear_decay=decay, linear_feature_map=feature_map)
+    rng = np.random.RandomState(3)
+    length, h = 80, cfg.hidden_size
+    segments = np.ones((2, length), np.int32)
+    segments[0, 23:], segments[0, 70:] = 2, 3  # document 2 spans the chunk edge at 64
+    segments[1, 64:] = 2  # a document starting on the edge
+    # Projections of size O(1) (weights ~ 1/sqrt(fan_in)) so the feature maps work off their linear part;
+    # a random norm weight so a dropped one shows.
+    raw = {name: rng.normal(size=shape) / np.sqrt(shape[0] if name != "wo" else shape[0] * shape[1])
+           for name, shape in {"wq": (h, 4, 16), "wk": (h, 2, 16), "wv": (h, 2, 16), "wg": (h, 4, 16),
+                               "wo": (4, 16, h)}.items()}
+    raw["out_norm"] = 1 + 0.3 * rng.normal(size=(4, 16))
+    x = rng.normal(size=(2, length, h))
+    probe = rng.normal(size=(2, length, h))
+
     layer = _layer(cfg)
-    x = jnp.asarray(RNG.normal(size=(2, 32, cfg.hidden_size)), jnp.float32)
-    seq = sequence_info(x.shape[:2], SEGMENTS, None, max_lag=1)
-
-    def by_reference(params, x):
-        w = linear_attn.group_major(params, cfg, x.dtype)
-        q, k, v = linear_attn.project(x, w, cfg)
-        return linear_attn.output(la.reference(q, k, v, SEGMENTS, log_decay=w["log_decay"]), x, w, cfg)
-
+    for name, value in raw.items():
+        getattr(layer, name).set_value(jnp.asarray(value, jnp.float32))
     graphdef, state = nnx.split(layer)
+    seq = sequence_info(x.shape[:2], jnp.asarray(segments), None, max_lag=1)
 
-    def by_layer(params, x):
-        return nnx.merge(graphdef, params)(x, seq)
+    def loss(params, x):
+        out = nnx.merge(graphdef, params)(x, seq)
+        return jnp.sum(out * probe), out
 
-    params = layer.params()
-    probe = jnp.asarray(RNG.normal(size=x.shape), jnp.float32)
-    want, want_grads = jax.value_and_grad(lambda p, x: jnp.sum(by_reference(p, x) * probe), (0, 1))(params, x)
-    got, got_grads = jax.value_and_grad(lambda p, x: jnp.sum(by_layer(p, x) * probe), (0, 1))(state, x)
-    got_grads = ({name: g for name, g in nnx.to_pure_dict(got_grads[0]).items()}, got_grads[1])
-    np.testing.assert_allclose(got, want, rtol=1e-5)
-    for w, g in zip(jax.tree.leaves(want_grads), jax.tree.leaves(got_grads)):
-        np.testing.assert_allclose(g, w, rtol=2e-4, atol=1e-5)
+    # One jit: the eager first call compiles each primitive on its own (~3x slower on CPU).
+    (_, got), (got_w, got_x) = jax.jit(jax.value_and_grad(loss, (0, 1), has_aux=True))(
+        state, jnp.asarray(x, jnp.float32))
+    got_w = nnx.to_pure_dict(got_w)
+
+    w = {name: torch.tensor(value, requires_grad=True) for name, value in raw.items()}
+    xt = torch.tensor(x, requires_grad=True)
+    want = _recurrence_torch(xt, w, torch.tensor(segments), feature_map, decay, cfg.rms_norm_eps)
+    (want * torch.tensor(probe)).sum().backward()
+    want = want.detach().numpy()
+    np.testing.assert_allclose(np.asarray(got), want, rtol=0, atol=1e-5 * np.abs(want).max())
+    for name in raw:  # fp32 sums against float64 (measured ~5e-7): relative to each gradient's own size
+        ref = w[name].grad.numpy()
+        np.testing.assert_allclose(np.asarray(got_w[name]), ref, rtol=0, atol=1e-5 * np.abs(ref).max(), err_msg=name)
+    ref = xt.grad.numpy()
+    np.testing.assert_allclose(np.asarray(got_x), ref, rtol=0, atol=1e-5 * np.abs(ref).max(), err_msg="x")
 
 
 def test_retention_decay_is_retnets_per_head_gamma():

@@ -1,5 +1,7 @@
 """Hardware table, analytic FLOPs / MFU, and the metrics writer (JSONL + TensorBoard)."""
 
+import contextlib
+import ctypes
 import glob
 import json
 import math
@@ -200,14 +202,56 @@ def test_workdir_under_a_file_raises_naming_it(tmp_path):
         MetricsWriter(workdir)
 
 
-@pytest.mark.skipif(os.geteuid() == 0, reason="root ignores directory permissions")
-def test_unwritable_workdir_raises_naming_it(tmp_path):
+@contextlib.contextmanager
+def _file_permissions_bind_root():
+    """Root (CI's user) writes anywhere through CAP_DAC_OVERRIDE (and reads through
+    CAP_DAC_READ_SEARCH). Inside this block the calling thread runs without them, so a directory
+    without write permission stops it as it stops anyone; for other users, a no-op. capset(2) with
+    pid 0 changes this thread only, and the capabilities stay permitted, so they come back after."""
+    if os.geteuid() != 0:
+        yield
+        return
+
+    class Header(ctypes.Structure):
+        _fields_ = [("version", ctypes.c_uint32), ("pid", ctypes.c_int)]
+
+    class Data(ctypes.Structure):
+        _fields_ = [("effective", ctypes.c_uint32), ("permitted", ctypes.c_uint32), ("inheritable", ctypes.c_uint32)]
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    header, data = Header(0x20080522, 0), (Data * 2)()  # _LINUX_CAPABILITY_VERSION_3: two 32-bit words
+    if libc.capget(ctypes.byref(header), data) != 0:
+        pytest.skip(f"capget failed: {os.strerror(ctypes.get_errno())}")
+    effective = data[0].effective
+    data[0].effective &= ~((1 << 1) | (1 << 2))  # CAP_DAC_OVERRIDE, CAP_DAC_READ_SEARCH
+    if libc.capset(ctypes.byref(header), data) != 0:
+        pytest.skip(f"cannot drop CAP_DAC_OVERRIDE: {os.strerror(ctypes.get_errno())}")
+    try:
+        yield
+    finally:
+        data[0].effective = effective
+        assert libc.capset(ctypes.byref(header), data) == 0, "could not restore this thread's capabilities"
+
+
+def test_unwritable_workdir_is_a_one_line_error_naming_it(tmp_path):
+    """A workdir inside a directory the user may not write to (root included, its override dropped):
+    the metrics writer names it, and `zaya train`'s check (`prepare_workdir`) says why in one line,
+    as a ZayaError, which the CLI prints and exits with status 2 on."""
+    from zaya_jax.train.loop import prepare_workdir
+
     locked = tmp_path / "locked"
     locked.mkdir()
     locked.chmod(0o500)
+    workdir = str(locked / "run")
     try:
-        workdir = str(locked / "run")
-        with pytest.raises(ZayaError, match=re.escape(workdir)):
-            MetricsWriter(workdir)
+        with _file_permissions_bind_root():
+            with pytest.raises(ZayaError, match=re.escape(workdir)):
+                MetricsWriter(workdir)
+            with pytest.raises(ZayaError) as error:
+                prepare_workdir(workdir)
     finally:
         locked.chmod(0o700)
+    assert str(error.value) == (f"--workdir {workdir} is not writable (Permission denied); "
+                                "choose a directory you can write")
+    assert error.value.exit_code == 2
+    assert not os.path.exists(workdir)
