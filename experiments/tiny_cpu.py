@@ -30,7 +30,6 @@ def get_config():
     config.optim.min_lr = 3e-4
     config.optim.warmup_steps = 30
     config.optim.weight_decay = 0.0
-    config.optim.balance_lr = 1e-2
 
     config.data.source = "builtin:python-docs"
     config.data.tokenizer = "bytes"

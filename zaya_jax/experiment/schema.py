@@ -16,6 +16,7 @@ from zaya_jax.config import preset as model_preset
 from zaya_jax.model.remat import REMAT_POLICIES as _POLICIES
 
 REMAT_POLICIES = tuple(_POLICIES)
+BALANCERS = ("proportional", "adam")  # optim.balancer: train/balancing.py
 
 # Keys whose value may legitimately be None, with the types allowed otherwise.
 NULLABLE = {
@@ -83,9 +84,14 @@ def _optim() -> dict:
         muon_nesterov=True,
         muon_ns_steps=5,  # Newton–Schulz iterations
         muon_rms=0.2,  # update RMS Muon is scaled to (AdamW's typical update RMS)
-        balance_lr=1e-3,  # Adam on the router balancing biases (ZAYA1's bias balancer)
-        balance_b1=0.9,
-        balance_b2=0.999,
+        # ZAYA1's bias balancer (train/balancing.py): each step every bias moves against its expert's
+        # load error (E·load − 1)/(E + 1). proportional: by balance_lr × the error (settles); adam: the
+        # report's Adam, by about balance_lr whatever the error (herds while the router's probabilities
+        # are close)
+        balancer="proportional",
+        balance_lr=0.125,
+        balance_b1=0.9,  # adam only
+        balance_b2=0.999,  # adam only
     )
 
 

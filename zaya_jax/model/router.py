@@ -3,6 +3,14 @@
 Computed entirely in fp32 (it is small, and its softmax is one of ZAYA1's fp32 islands).
 The choice is `argmax(stop_gradient(p) + balancing_biases)` over E experts plus a skip class;
 the mixing weight is the unbiased `p[choice]`; a token sent to the skip class gets weight 0.
+
+Initialisation (for training from scratch; Zyphra's is unpublished): the router MLP's three
+matrices are variance-preserving (std 1/√fan_in), everything else `initializer_range`. With
+0.02 the MLP shrinks its input ~100× (3 layers of 0.02·√R), so at step 1 every token's
+probabilities agree to ~1e-4: the choice is the same for all of a layer's tokens, and once the
+balancer moves the biases by more than that, the biases alone pick the expert and all tokens go
+where the largest bias is. At 1/√fan_in the probabilities differ between tokens by ~0.05 from the
+start and the balancing biases act as a fine correction (benchmarks/routing_health.md).
 """
 
 from __future__ import annotations
@@ -37,17 +45,17 @@ def initial_balancing_biases(num_experts: int) -> jax.Array:
 class Router(nnx.Module):
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
         h, r, classes = cfg.hidden_size, cfg.router_hidden_size, cfg.num_experts + 1
-        init = normal(cfg.initializer_range)
+        init, mlp_init = normal(cfg.initializer_range), normal(r ** -0.5)
         self.down = make_param(rngs, init, (h, r), ("embed", "router"))
         self.down_bias = make_param(rngs, constant(0.0), (r,), ("router",))
         # Layer 0's incoming router state is zero, so its scale is inert (HF has none in layer 0).
         self.eda_scale = make_param(rngs, constant(1.0), (r,), ("router",))
         self.norm = RMSNorm(r, cfg.rms_norm_eps, "router", kernel=cfg.norm_kernel, rngs=rngs)
-        self.fc1 = make_param(rngs, init, (r, r), ("router", "router_mlp"))
+        self.fc1 = make_param(rngs, mlp_init, (r, r), ("router", "router_mlp"))
         self.fc1_bias = make_param(rngs, constant(0.0), (r,), ("router_mlp",))
-        self.fc2 = make_param(rngs, init, (r, r), ("router_mlp", "router"))
+        self.fc2 = make_param(rngs, mlp_init, (r, r), ("router_mlp", "router"))
         self.fc2_bias = make_param(rngs, constant(0.0), (r,), ("router",))
-        self.out = make_param(rngs, init, (r, classes), ("router", "router_classes"))
+        self.out = make_param(rngs, mlp_init, (r, classes), ("router", "router_classes"))
         self.balancing_biases = BalancingBias(initial_balancing_biases(cfg.num_experts))
 
     def __call__(self, x: jax.Array, prev_state: jax.Array | None,

@@ -56,6 +56,7 @@ from zaya_jax.train.metrics_writer import MetricsWriter
 from zaya_jax.train.program import Program, build_program
 from zaya_jax.train.checkpoints import RunCheckpoints, check_compatible, run_meta
 from zaya_jax.train.profiler import ProfileWindow
+from zaya_jax.train.routing_watch import RoutingWatch
 from zaya_jax.train.progress import Progress, StepTimer, device_profile
 from zaya_jax.train.stop_signals import StopSignals
 from zaya_jax.train.watchdog import Watchdog
@@ -257,6 +258,7 @@ class _Run:
                 MetricsWriter(self.workdir, enabled=self.primary) as writer, \
                 Progress(c.train.steps, enabled=c.train.progress and self.primary, initial=start) as bar:
             policy = BadStepPolicy(c.fault, self.events, bar.note)
+            routing = RoutingWatch(self.events, bar.note)
             profile = ProfileWindow(profile_window(c.train.profile_steps), self.workdir, self.events)
             done = start
             for step in range(start, c.train.steps):
@@ -268,6 +270,7 @@ class _Run:
                 profile.after(done, metrics)
                 bar.advance()
                 action = policy.after_step(done, metrics)
+                routing.after_step(done, metrics)
                 if action == "rollback":  # before this step is logged or saved: its state is undone
                     state, action = self._rollback(done, policy, state)
                 self._log(writer, bar, timer, metrics, done, start)
@@ -285,6 +288,7 @@ class _Run:
                                   stop.name, 128 + getattr(signal, stop.name).value, done)
                     break
             policy.flush()
+            routing.flush()
             profile.close(done)
             # Waiting for the last save's background commit is checkpoint time in the ledger.
             with self.watchdog.allow(c.fault.io_timeout_sec, "finishing the checkpoint save"), \

@@ -6,9 +6,10 @@ Owns the layout of a run's metrics under its workdir:
   at once so a crashed process loses no line. Standard JSON only: NaN and ±inf (which JSON
   cannot hold) are written as `null`; numpy and jax scalars become numbers, arrays lists.
 * `WORKDIR/tensorboard/` — tensorboardX event files with every scalar of the record (ints,
-  floats and bools, the latter as 0/1) under its key; nested dicts give tags "outer/inner".
-  Lists and strings stay in the JSON only. NaN and inf are written as they are: TensorBoard
-  shows them.
+  floats and bools, the latter as 0/1) under its key; nested dicts give tags "outer/inner", and a
+  flat list of numbers (the per-layer load entropy) one tag per entry, "name/0", "name/1", ...
+  Nested lists and strings stay in the JSON only. NaN and inf are written as they are:
+  TensorBoard shows them.
 
 In a multi-process run only process 0 writes (`enabled=False` elsewhere): one file, one story.
 """
@@ -131,3 +132,5 @@ def _scalars(record: dict[str, Any], prefix: str = "") -> Iterator[tuple[str, fl
             yield from _scalars(value, tag + "/")
         elif isinstance(value, (bool, int, float)):
             yield tag, float(value)
+        elif isinstance(value, list) and value and all(isinstance(v, (int, float)) for v in value):
+            yield from ((f"{tag}/{i}", float(v)) for i, v in enumerate(value))  # per layer: one curve each

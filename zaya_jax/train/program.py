@@ -66,7 +66,8 @@ class Program:
         held = {k: (s.spec, self.modeldef.param_shapes[k]) for k, s in self.optimizer_shardings().items()}
         self.tx, self.schedule = build_optimizer(c.optim, c.train.steps, self.modeldef.param_axes,
                                                  spread=spread_matrices(self.mesh, held))
-        self.balance_tx = balancing.balancer(c.optim.balance_lr, c.optim.balance_b1, c.optim.balance_b2)
+        self.balance_tx = balancing.balancer(c.optim.balancer, c.optim.balance_lr, c.optim.balance_b1,
+                                             c.optim.balance_b2)
         # The mesh's schedules run the layers; they look at which axes are split when traced.
         self.step_cfg = StepConfig(remat=c.train.remat, scan_layers=c.train.scan_layers,
                                    scan_unroll=c.train.scan_unroll, vocab_chunk=c.train.loss_vocab_chunk,

@@ -88,19 +88,33 @@ def accumulate_gradients(modeldef, params, biases, batches, cfg: StepConfig):
     return grads, loss, ntok, counts
 
 
+def make_gradient_step(modeldef: ModelDef, cfg: StepConfig):
+    """`gradient_step(params, biases, batches) -> (grads, sums)`: the gradient of the mean token
+    loss over the global batch [A, b, S] (reduced over the replicas by `cfg.reduction`), and
+    `sums`: that loss, the gradient's global norm, the counted tokens and the expert counts. The
+    train step's first half; tests compare its gradients across layouts."""
+    accumulate = functools.partial(accumulate_gradients, modeldef, cfg=cfg)
+    accumulate = cfg.reduction(accumulate) if cfg.reduction else accumulate
+
+    def gradient_step(params, biases, batches):
+        grads, loss_sum, ntok, counts = accumulate(params, biases, batches)
+        denom = jnp.maximum(ntok, 1.0)
+        grads = jax.tree.map(lambda g: g / denom, grads)
+        return grads, {"loss": loss_sum / denom, "grad_norm": optax.global_norm(grads), "tokens": ntok,
+                       "counts": counts}
+
+    return gradient_step
+
+
 def make_train_step(modeldef: ModelDef, tx: optax.GradientTransformation, balance_tx: optax.GradientTransformation,
                     schedule: Callable, cfg: StepConfig):
     """`train_step(state, batches) -> (state, metrics)`; `batches` leaves are [A, b, S]."""
     bias_key = modeldef.bias_key
-
-    accumulate = functools.partial(accumulate_gradients, modeldef, cfg=cfg)
-    accumulate = cfg.reduction(accumulate) if cfg.reduction else accumulate
+    gradient_step = make_gradient_step(modeldef, cfg)
 
     def train_step(state: TrainState, batches):
-        grads, loss_sum, ntok, counts = accumulate(state.params, state.biases, batches)
-        denom = jnp.maximum(ntok, 1.0)
-        grads = jax.tree.map(lambda g: g / denom, grads)
-        loss, grad_norm = loss_sum / denom, optax.global_norm(grads)
+        grads, sums = gradient_step(state.params, state.biases, batches)
+        loss, grad_norm, ntok, counts = sums["loss"], sums["grad_norm"], sums["tokens"], sums["counts"]
         bad = bad_steps.is_bad(state.guard, loss, grad_norm, cfg.guard)
         updates, opt_state = tx.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
