@@ -177,7 +177,10 @@ def test_jsonl_appends_and_is_flushed_before_close(tmp_path):
 def test_tensorboard_scalars_read_back(tmp_path):
     write_records(tmp_path)
     points = scalar_points(read_events(tmp_path / "tensorboard"))
-    assert set(points) == {"loss", "lr", "tokens", "experts/max_load", "experts/skip_frac", "grad_norm"}
+    # A flat list of numbers (per-layer values) is one tag per entry.
+    assert set(points) == {"loss", "lr", "tokens", "experts/max_load", "experts/skip_frac", "grad_norm",
+                           "load/0", "load/1"}
+    assert points["load/1"] == [(1, 1.5), (2, 1.0)]
     assert points["loss"][:2] == [(1, 5.5), (2, 4.75)]
     assert math.isnan(points["loss"][2][1])
     assert points["lr"] == [(1, 0.25), (2, 0.5), (3, 0.5)]
