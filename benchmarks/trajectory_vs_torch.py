@@ -19,15 +19,17 @@ batches, the same recipe, compared step by step.
    restated for HF names), warmup + cosine in a `LambdaLR`, `clip_grad_norm_`, HF's own loss
    (labels −100 off the loss mask, `num_items_in_batch` = the step's loss tokens; each document
    piece of a packed row is its own sequence, since HF's eager attention has no segment ids), and
-   ZAYA1's bias balancer written from the report (`torch_balance_step`). Torch's Muon runs
-   Newton–Schulz in bfloat16; a second torch run (`--variants`) patches it to fp32, as ours is,
-   to measure what bf16 costs.
+   ZAYA1's bias balancer written from the report (`torch_balance_step`). Torch's Muon differs
+   from ours in its Newton–Schulz: bfloat16 (ours fp32) and input / max(‖x‖, eps) (ours
+   / (‖x‖ + eps)); further torch runs (`VARIANTS`, `--variants`) patch one or both to ours, to
+   measure what each costs.
 5. **Side by side**: relative loss and grad-norm differences per step, per-layer expert load on
    both sides; a table (every 5th step and the worst differences), all numbers as JSON, and a plot
    of the loss curves.
 
-    python benchmarks/trajectory_vs_torch.py                 # tiny_cpu, 50 steps
-    python benchmarks/trajectory_vs_torch.py --steps=20 --config.optim.weight_decay=0.1
+    python benchmarks/trajectory_vs_torch.py                 # tiny_cpu, 50 steps (~2-4 min on 2 cores)
+    python benchmarks/trajectory_vs_torch.py --steps=20 --cpu-devices=2 --config.optim.weight_decay=0.1
+    python benchmarks/trajectory_vs_torch.py --from-json=benchmarks/trajectory_vs_torch.json --notes=NOTES.md
 
 Writes benchmarks/trajectory_vs_torch.{md,json,png} (`--out` changes the stem).
 """
@@ -545,8 +547,9 @@ def plot(path: str, ours, runs: dict, comparisons: dict, title: str) -> None:
         if c["routing_split_step"]:
             axes[1].axvline(c["routing_split_step"], color=line.get_color(), lw=0.8, alpha=0.6)
     axes[1].axhline(TOLERANCE, color="k", lw=0.8)
-    axes[1].set(xlabel="step (vertical lines: first step a layer routes apart)", ylabel="|torch − ours| / ours",
-                title="relative difference per step")
+    split = any(c["routing_split_step"] for c in comparisons.values())
+    axes[1].set(xlabel="step" + (" (vertical lines: first step a layer routes apart)" if split else ""),
+                ylabel="|torch − ours| / ours", title="relative difference per step (black: 1e-3)")
     axes[1].legend(fontsize=7)
     axes[2].plot(steps, [load_stats(r["expert_load"])["load_max"] for r in ours], label="ours", lw=2.4, color="k",
                  alpha=0.5)
