@@ -218,7 +218,7 @@ def _ns5_float64(g):
     """The quintic Newton–Schulz as published: on the wide orientation, Frobenius-normalised first."""
     a, b, c = NS_ABC
     x = g.T if g.shape[0] > g.shape[1] else g
-    x = x / (np.linalg.norm(x) + 1e-7)
+    x = x / max(np.linalg.norm(x), 1e-7)
     for _ in range(5):
         gram = x @ x.T
         x = a * x + (b * gram + c * gram @ gram) @ x

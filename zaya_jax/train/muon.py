@@ -42,7 +42,9 @@ def newton_schulz(g: jax.Array, steps: int = 5, eps: float = 1e-7) -> jax.Array:
     a, b, c = NS_COEFFICIENTS
     wide = g.shape[-2] <= g.shape[-1]
     x = g if wide else jnp.swapaxes(g, -1, -2)
-    x = x / (jnp.linalg.norm(x, axis=(-2, -1), keepdims=True) + eps)
+    # max(‖x‖, eps), not ‖x‖ + eps: the router's momenta have norms of 1e-6..1e-5, where an added eps
+    # would shrink their update by up to 4% (torch.optim.Muon clamps the same way).
+    x = x / jnp.maximum(jnp.linalg.norm(x, axis=(-2, -1), keepdims=True), eps)
     for _ in range(steps):
         gram = x @ jnp.swapaxes(x, -1, -2)  # the small side: [rows, rows]
         x = a * x + (b * gram + c * gram @ gram) @ x
