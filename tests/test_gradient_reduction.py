@@ -1,6 +1,8 @@
-"""Gradients reduced once per step (parallel/replicas.py) and ZeRO-1 (optim.shard_over_data),
-counted in the compiled train step on fake CPU devices with explore/hlo_census.py."""
+"""Gradients reduced once per step (parallel/replicas.py) and ZeRO-1 (optim.shard_over_data):
+counted in the compiled train step on fake CPU devices with explore/hlo_census.py, and the reduced
+gradients themselves (not only what Muon/AdamW make of them) equal to one device's."""
 
+import functools
 import math
 import os
 
@@ -15,6 +17,7 @@ from zaya_jax.explore.hlo_census import census, total
 from zaya_jax.parallel.mesh import build_mesh
 from zaya_jax.parallel.axes import MESH_AXES
 from zaya_jax.train.program import build_program
+from zaya_jax.train.step import make_gradient_step
 
 TINY = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "experiments", "tiny_cpu.py")
 RUN = ["--config.train.global_batch_size=16", "--config.train.seq_len=32", "--config.model.num_hidden_layers=2",
@@ -79,30 +82,99 @@ def test_zero1_divides_the_optimizer_states_device_bytes_by_the_data_degree():
     assert sum(split) <= sum(whole) / 8 * 1.01  # all but a few bytes of it split 8 ways
 
 
-def test_the_data_replicas_micro_batch_loop_equals_one_device():
-    # The same batch in 4 micro-batches on data=2 (ZeRO-1) and in one on one device: loss and update.
-    def run(accum, **mesh):
-        program = _program(accum, "--config.optim.lr=1e-2", "--config.optim.warmup_steps=1", **mesh)
-        state, step = program.init(), program.jitted_train_step()
-        batch = _batch(program)
-        state, metrics = step(state, program.place_batch(batch))
-        return float(metrics["loss"]), jax.device_get(state.params)
+@functools.cache
+def _one_step(accum, **mesh):
+    """(loss, grad_norm, params) of the train step's first step on `_batch`, as logged."""
+    program = _program(accum, "--config.optim.lr=1e-2", "--config.optim.warmup_steps=1", **mesh)
+    state, step = program.init(), program.jitted_train_step()
+    state, metrics = step(state, program.place_batch(_batch(program)))
+    return float(metrics["loss"]), float(metrics["grad_norm"]), jax.device_get(state.params)
 
-    loss, params = run(4, data=2)
-    ref_loss, ref_params = run(1, data=1)
+
+def test_the_data_replicas_micro_batch_loop_equals_one_device():
+    # The same batch in 4 micro-batches on data=2 (ZeRO-1) and in one on one device: loss, gradient
+    # norm and update. Muon and AdamW are blind to a constant gradient scale: the norm is not.
+    loss, norm, params = _one_step(4, data=2)
+    ref_loss, ref_norm, ref_params = _one_step(1, data=1)
     np.testing.assert_allclose(loss, ref_loss, rtol=2e-6)
+    np.testing.assert_allclose(norm, ref_norm, rtol=1e-5)
     for key in ref_params:
         np.testing.assert_allclose(params[key], ref_params[key], rtol=1e-4, atol=2e-6, err_msg=key)
 
 
+def test_logged_loss_is_the_masked_mean_of_per_token_cross_entropy():
+    """The train step's `loss` on 4 micro-batches over data=2, with padding and masked tokens and a
+    vocabulary chunk (100) that does not divide the vocabulary (272), against float64 numpy:
+    log-softmax of the model's full logits at the initial parameters, averaged over the mask."""
+    program = _program(1, data=1)
+    assert program.modeldef.cfg.vocab_size % program.exp.config.train.loss_vocab_chunk != 0
+    batch = _batch(program)
+    params, biases = _initial()
+    forward = jax.jit(lambda p, b, x: program.modeldef.merge(p, b)(x["inputs"], x["segment_ids"], x["positions"]))
+    logits = np.asarray(forward(params, biases, batch), np.float64)
+    shifted = logits - logits.max(-1, keepdims=True)
+    log_probs = shifted - np.log(np.exp(shifted).sum(-1, keepdims=True))
+    token_ce = -np.take_along_axis(log_probs, batch["targets"][..., None], -1)[..., 0]
+    mask = batch["loss_mask"]
+    assert 0 < mask.sum() < 0.9 * mask.size  # padding and masked tokens both left out
+    np.testing.assert_allclose(_one_step(4, data=2)[0], (token_ce * mask).sum() / mask.sum(), rtol=2e-6)
+
+
 def _batch(program):
+    """Random tokens in 1-3 documents a row, the last rows' tails padding (segment 0, masked) and a
+    tenth of the other tokens masked: the mean is over the mask's count, not the batch's tokens."""
     rng = np.random.default_rng(0)
     rows, seq = program.exp.config.train.global_batch_size, program.exp.config.train.seq_len
+    segments = np.sort(rng.integers(1, 4, (rows, seq)), axis=1).astype(np.int32)
+    segments[rows // 2:, seq - seq // 4:] = 0
+    mask = (rng.random((rows, seq)) > 0.1) & (segments > 0)
     return {"inputs": rng.integers(0, 259, (rows, seq), dtype=np.int32),
             "targets": rng.integers(0, 259, (rows, seq), dtype=np.int32),
-            "segment_ids": np.ones((rows, seq), np.int32),
+            "segment_ids": segments,
             "positions": np.tile(np.arange(seq, dtype=np.int32), (rows, 1)),
-            "loss_mask": np.ones((rows, seq), np.float32)}
+            "loss_mask": mask.astype(np.float32)}
+
+
+def _gradients(accum, *extra, **mesh):
+    """The train step's reduced mean gradients and their norm (`step.make_gradient_step`, the code
+    path training runs) at the initial parameters, jitted with the program's shardings."""
+    program = _program(accum, *extra, **mesh)
+    params, biases = _initial()  # the same seed's init on any layout; its compile skipped
+    step = program._under_mesh(make_gradient_step(program.modeldef, program.step_cfg))
+    sh = program.state_shardings
+    step = jax.jit(step, in_shardings=(sh.params, sh.biases, program.batch_sharding()))
+    grads, sums = step(params, biases, program.place_batch(_batch(program)))
+    return jax.device_get(grads), float(sums["grad_norm"])
+
+
+@functools.cache
+def _initial():
+    state = _program(1, data=1).init()
+    return jax.device_get(state.params), jax.device_get(state.biases)
+
+
+@functools.cache
+def _one_device_gradients():
+    return _gradients(1, data=1)
+
+
+# One micro-batch: GSPMD reduces inside the backward. Several on data > 1: the replicas' loop
+# (parallel/replicas.py), reduce-scattered onto ZeRO-1's shards (on by default; every weight of
+# the tiny model splits) or, with it off, all-reduced. Three compiles cover the layout families;
+# tests/test_train_step.py checks the norm under more layouts.
+@pytest.mark.parametrize("accum, mesh, extra", [
+    (1, dict(data=2, fsdp=2, sequence=2), ()),
+    (2, dict(data=2, fsdp=2, tsp=2), ()),
+    (4, dict(data=2, sequence=2), ("--config.optim.shard_over_data=false",)),
+], ids=["accum1-data2-fsdp2-sequence2", "accum2-data2-fsdp2-tsp2-zero1", "accum4-data2-sequence2"])
+@pytest.mark.slow
+def test_reduced_gradients_and_their_norm_equal_one_devices(accum, mesh, extra):
+    grads, norm = _gradients(accum, *extra, **mesh)
+    ref_grads, ref_norm = _one_device_gradients()
+    np.testing.assert_allclose(norm, ref_norm, rtol=1e-5)
+    for key, ref in ref_grads.items():
+        # fp32 sums in another order: within 1e-5 of the largest entry of that gradient
+        np.testing.assert_allclose(grads[key], ref, rtol=1e-4, atol=1e-5 * np.abs(ref).max(), err_msg=key)
 
 
 def test_census_counts_a_collective_once_per_loop_iteration_and_names_its_axes():

@@ -1,7 +1,8 @@
 """The jitted train step: every layout on 8 fake devices trains like one device.
 
 fp32 compute, a few steps of the real step (Muon/AdamW, clipping, balancer, chunked CE,
-micro-batch accumulation); losses and final parameters must agree with the single-device run.
+micro-batch accumulation); losses, gradient norms and final parameters must agree with the
+single-device run (the norms because Muon and AdamW are blind to a constant gradient scale).
 In bf16, the losses of two steps must agree to bf16 rounding.
 """
 
@@ -16,6 +17,7 @@ from zaya_jax.train.program import build_program
 
 TINY = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "experiments", "tiny_cpu.py")
 STEPS = 3
+NORM_RTOL = 1e-5  # the gradient norm of every step, the layouts' own fp32 summation order apart
 
 
 def _overrides(**mesh):
@@ -45,11 +47,12 @@ def _run(overrides, devices, steps=STEPS):
     program = build_program(load_experiment(TINY, overrides), devices=devices)
     state = program.init()
     step = program.jitted_train_step()
-    losses = []
+    losses, norms = [], []
     for batch in _batches()[:1] * steps:  # one batch, repeated: the loss must fall
         state, metrics = step(state, program.place_batch(batch))
         losses.append(float(metrics["loss"]))
-    return np.array(losses), jax.device_get(state.params), jax.device_get(state.biases)
+        norms.append(float(metrics["grad_norm"]))
+    return np.array(losses), jax.device_get(state.params), jax.device_get(state.biases), np.array(norms)
 
 
 @pytest.fixture(scope="module")
@@ -59,14 +62,19 @@ def single():
 
 # Expert-parallel training is checked against the same losses by the resharded-resume tests
 # (tests/test_resume.py: fsdp4 x expert2 and expert2 x fsdp2), and its gradients in test_layouts.py.
-# data x fsdp x tensor: the data replicas' loop (parallel/replicas.py) with GSPMD axes inside it,
-# where XLA's partitioner aborted on the embedding gather until the table is gathered first.
-@pytest.mark.parametrize("mesh", [dict(data=8), dict(fsdp=8), dict(tsp=8), dict(sequence=4, data=2),
-                                  dict(tensor=2, sequence=4), dict(data=2, fsdp=2, tensor=2)], ids=str)
-def test_layout_trains_like_one_device(single, mesh):
-    losses, params, biases = _run(_overrides(**mesh), jax.devices())
-    ref_losses, ref_params, ref_biases = single
+# data x fsdp x tensor, two micro-batches: the data replicas' loop (parallel/replicas.py, which
+# runs for several micro-batches only) with GSPMD axes inside it, where XLA's partitioner aborted
+# on the embedding gather until the table is gathered first.
+@pytest.mark.parametrize("mesh, accum", [(dict(data=8), 1), (dict(fsdp=8), 1), (dict(tsp=8), 1),
+                                         (dict(sequence=4, data=2), 1), (dict(tensor=2, sequence=4), 1),
+                                         (dict(data=2, fsdp=2, tensor=2), 2)],
+                         ids=lambda v: str(v) if isinstance(v, dict) else f"accum{v}")
+def test_layout_trains_like_one_device(single, mesh, accum):
+    losses, params, biases, norms = _run(_overrides(**mesh) + [f"--config.train.grad_accum_steps={accum}"],
+                                         jax.devices())
+    ref_losses, ref_params, ref_biases, ref_norms = single
     np.testing.assert_allclose(losses, ref_losses, rtol=2e-5)
+    np.testing.assert_allclose(norms, ref_norms, rtol=NORM_RTOL)
     assert losses[-1] < losses[0]
     for key in ref_params:
         np.testing.assert_allclose(params[key], ref_params[key], rtol=1e-3, atol=2e-5, err_msg=key)
@@ -77,8 +85,9 @@ def test_layout_trains_like_one_device(single, mesh):
 def test_zigzag_layout_trains_and_evaluates_like_one_device(single):
     # tsp4 x data2: 8 zigzag chunks of 4 tokens (placed by the program); the eval step too.
     overrides = _overrides(tsp=4, data=2)
-    losses, params, _ = _run(overrides, jax.devices())
+    losses, params, _, norms = _run(overrides, jax.devices())
     np.testing.assert_allclose(losses, single[0], rtol=2e-5)
+    np.testing.assert_allclose(norms, single[3], rtol=NORM_RTOL)
     programs = [build_program(load_experiment(TINY, o), devices=d)
                 for o, d in ((overrides, jax.devices()), (_overrides(), jax.devices()[:1]))]
     assert [p.zigzagged for p in programs] == [True, False]
@@ -102,15 +111,16 @@ def test_parameters_are_sharded_as_the_rules_say():
 
 
 def test_gradient_accumulation_matches_one_big_batch(single):
-    losses, params, _ = _run(_overrides() + ["--config.train.grad_accum_steps=4"], jax.devices()[:1])
+    losses, params, _, norms = _run(_overrides() + ["--config.train.grad_accum_steps=4"], jax.devices()[:1])
     np.testing.assert_allclose(losses, single[0], rtol=2e-5)
+    np.testing.assert_allclose(norms, single[3], rtol=NORM_RTOL)
     for key in params:
         np.testing.assert_allclose(params[key], single[1][key], rtol=1e-3, atol=2e-5, err_msg=key)
 
 
 @pytest.mark.parametrize("policy", ["full", "dots"])
 def test_remat_policies_do_not_change_the_numbers(single, policy):
-    losses, _, _ = _run(_overrides() + [f"--config.train.remat={policy}"], jax.devices()[:1])
+    losses = _run(_overrides() + [f"--config.train.remat={policy}"], jax.devices()[:1])[0]
     np.testing.assert_allclose(losses, single[0], rtol=1e-5)
 
 
@@ -138,9 +148,10 @@ def test_pallas_kernels_run_per_batch_shard_and_train_like_one_device(single):
     assert _shard_maps(overrides + ["--config.train.scan_layers=false"]) == 2 * (5 * layers + 1), \
         "a Pallas kernel is not shard_mapped over the batch axes"
     assert _shard_maps(overrides + ["--config.train.scan_unroll=1"]) == 2 * (5 + 1) + 1
-    losses, params, _ = _run(overrides, jax.devices())
-    ref_losses, ref_params, _ = single
+    losses, params, _, norms = _run(overrides, jax.devices())
+    ref_losses, ref_params, _, ref_norms = single
     np.testing.assert_allclose(losses, ref_losses, rtol=2e-5)
+    np.testing.assert_allclose(norms, ref_norms, rtol=NORM_RTOL)
     for key in ref_params:
         np.testing.assert_allclose(params[key], ref_params[key], rtol=1e-3, atol=2e-5, err_msg=key)
 
@@ -180,9 +191,10 @@ def single_hybrid():
                          ids=str)
 def test_hybrid_model_trains_like_one_device(single_hybrid, mesh):
     # A linear-attention layer (LASP-2, zigzag placement) before a CCA layer.
-    losses, params, _ = _run(_overrides(**mesh) + HYBRID, jax.devices())
-    ref_losses, ref_params, _ = single_hybrid
+    losses, params, _, norms = _run(_overrides(**mesh) + HYBRID, jax.devices())
+    ref_losses, ref_params, _, ref_norms = single_hybrid
     np.testing.assert_allclose(losses, ref_losses, rtol=2e-5)
+    np.testing.assert_allclose(norms, ref_norms, rtol=NORM_RTOL)
     assert losses[-1] < losses[0]
     assert ref_params["layers/linear_attn/wq"].shape[0] == 1  # one L layer, stacked apart from CCA's
     for key in ref_params:
