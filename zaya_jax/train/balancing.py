@@ -2,9 +2,9 @@
 
 After each optimizer step, each layer's `balancing_biases` (which shift the top-1 *choice*,
 never the mixing weight) move against the load error `(E·load_e − 1) / (E + 1)` (0 at the fair
-share 1/E, 1/(E+1) at twice it), where `load_e` is the fraction of the step's tokens — the whole global batch, all
-micro-batches — that layer sent to expert e: an overloaded expert's bias goes down, an idle one's
-goes up. The skip class keeps its bias (−1, as released): its error is 0, so it stays inert,
+share 1/E, 1/(E+1) at twice it), where `load_e` is the fraction of the step's tokens — the whole
+global batch, all micro-batches — that layer sent to expert e: an overloaded expert's bias goes
+down, an idle one's goes up. The skip class keeps its bias (−1, as released): its error is 0, so it stays inert,
 matching HF `ZayaForCausalLM` checkpoints (the target for the skip class is unpublished).
 
 Two controllers (`optim.balancer`), both fed the error as the gradient of the biases:
