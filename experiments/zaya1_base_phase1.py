@@ -4,12 +4,14 @@
 (16.8M), Muon + AdamW with a cosine 6e-4 → 2e-4, bf16 compute with the fp32 islands.
 Phase 1 is 8T tokens: 476,837 steps of 16.8M tokens. Not published, so chosen here: warmup
 (2,000 steps), weight decay (0.1), Muon momentum (0.95), the router's initialisation and the
-balancer. The balancer is the proportional one at the default gain (0.125), not the report's Adam:
+balancer. The balancer is the default `spread` controller (gain 0.5), not the report's Adam:
 Adam moves every bias by its lr each step whatever the load error, and while the router's
 probabilities differ between tokens by less than that step (at the start, and whenever the
-residual stream moves fast) it herds a layer's tokens from expert to expert; the proportional step
-shrinks with the error. The error is scaled by the size of a router probability, 1/(E+1), so the
-gain measured on the 4-expert `tiny_cpu` carries over to 16 experts
+residual stream moves fast) it herds a layer's tokens from expert to expert. The spread
+controller steps by the overload times how much the router's probabilities differ between
+tokens, so one gain holds while that spread changes tenfold, and it cancels the drift of the
+router's mean probabilities before it shows in the load. Both are measured in the router's own
+units, so the gain measured on the 4-expert `tiny_cpu` carries over to 16 experts
 (benchmarks/routing_health.md).
 
 Point `data.source` and `data.tokenizer` at your corpus and the ZAYA1 tokenizer.json:

@@ -1,5 +1,6 @@
 """The bias balancer: no aux loss; a step against the load error drives a skewed router toward uniform load,
-the proportional controller settles where Adam's fixed-size step herds, and the routing-collapse watch."""
+the spread controller settles where Adam's fixed-size step herds and follows a drifting router, and the
+routing-collapse watch."""
 
 import jax
 import jax.numpy as jnp
@@ -27,31 +28,73 @@ def test_load_error_and_counts():
     assert abs(float(summary["load_entropy"]) - entropy0 / 2) < 1e-6
 
 
-def test_overloaded_expert_bias_goes_down():
-    counts = jnp.array([[8.0, 0.0, 0.0, 0.0, 0.0]])
+def test_route_sums_count_the_valid_tokens_and_sum_their_probabilities():
+    rng = np.random.default_rng(0)
+    probs = rng.dirichlet(np.ones(5), size=(3, 2, 6)).astype(np.float32)  # [L, B, S, E+1]
+    choices = rng.integers(0, 5, size=(3, 2, 6)).astype(np.int32)
+    valid = rng.random((2, 6)) > 0.3
+    sums = np.asarray(balancing.route_sums(jnp.asarray(choices), jnp.asarray(probs), jnp.asarray(valid)))
+    assert sums.shape == (3, 3, 5)
+    for layer in range(3):
+        kept_choices, kept = choices[layer][valid], probs[layer][valid]
+        np.testing.assert_array_equal(sums[layer, balancing.TOKENS], np.bincount(kept_choices, minlength=5))
+        np.testing.assert_allclose(sums[layer, balancing.PROB], kept.sum(0), rtol=1e-6)
+        np.testing.assert_allclose(sums[layer, balancing.PROB_SQ], (kept ** 2).sum(0), rtol=1e-6)
+    mean, sigma = balancing.probability_moments(jnp.asarray(sums))
+    np.testing.assert_allclose(mean[0], probs[0][valid].mean(0), rtol=1e-5)
+    np.testing.assert_allclose(sigma[0], probs[0][valid].std(0), rtol=1e-4, atol=1e-6)
+
+
+def test_the_spread_step_is_the_overload_in_units_of_the_spread_plus_the_drift():
+    """bias_e −= gain·σ_e·(E·load_e − 1) + (p̄_e − previous p̄_e, centred over the experts); none for skip."""
+    control = balancing.balancer("spread", 0.5)
+    rng = np.random.default_rng(1)
+    biases = jnp.asarray(np.tile(initial_balancing_biases(4), (2, 1)))
+    state = control.init(biases)
+    previous = None
+    for _ in range(2):
+        probs = rng.dirichlet(np.ones(5), size=(2, 64)).astype(np.float32)  # [L, T, E+1]
+        choices = rng.integers(0, 4, size=(2, 64)).astype(np.int32)
+        sums = balancing.route_sums(jnp.asarray(choices), jnp.asarray(probs), jnp.ones(64, bool))
+        new, state = control.update(biases, sums, state)
+        load = np.stack([np.bincount(c, minlength=5) for c in choices]) / 64
+        step = 0.5 * probs.std(1) * (4 * load - 1)
+        if previous is not None:
+            drift = probs.mean(1) - previous
+            step += drift - drift[:, :4].mean(1, keepdims=True)
+        step[:, 4] = 0.0
+        np.testing.assert_allclose(np.asarray(new), np.asarray(biases) - step, atol=2e-6)
+        previous, biases = probs.mean(1), new
+
+
+@pytest.mark.parametrize("kind", ["spread", "adam"])
+def test_overloaded_expert_bias_goes_down(kind):
+    control = balancing.balancer(kind, 0.1)
+    probs = jax.nn.softmax(jax.random.normal(jax.random.key(0), (1, 8, 5)), axis=-1)
+    sums = balancing.route_sums(jnp.zeros((1, 8), jnp.int32), probs, jnp.ones(8, bool))  # all to expert 0
     biases = {"b": jnp.zeros((1, 5))}
-    tx = balancing.balancer("proportional", 0.1)
-    new, _ = balancing.update_biases(biases, counts, "b", tx, tx.init(biases))
+    new, _ = balancing.update_biases(biases, sums, "b", control, control.init(biases["b"]))
     b = np.asarray(new["b"][0])
     assert b[0] < 0 and np.all(b[1:4] > 0) and b[4] == 0
 
 
-def _balance(probs, lr, steps, num_experts, kind="adam"):
-    """Run the controller against a fixed router: choices use the model's own top-1 rule."""
-    tx = balancing.balancer(kind, lr)
+def _balance(router, lr, steps, num_experts, kind="adam"):
+    """Run the controller against a router (`router(step)` gives its probabilities [T, E+1]): choices use
+    the model's own top-1 rule."""
+    control = balancing.balancer(kind, lr)
 
     @jax.jit
-    def step(b, opt):
-        counts = balancing.expert_counts(choose_top1(probs, b).expert[None], jnp.ones(probs.shape[0], bool),
-                                         num_experts)
-        new, opt = balancing.update_biases({"b": b[None]}, counts, "b", tx, opt)
-        return new["b"][0], opt, balancing.load_summary(counts)
+    def step(b, opt, probs):
+        routing = choose_top1(probs, b)
+        sums = balancing.route_sums(routing.expert[None], probs[None], jnp.ones(probs.shape[0], bool))
+        new, opt = balancing.update_biases({"b": b[None]}, sums, "b", control, opt)
+        return new["b"][0], opt, balancing.load_summary(sums[:, balancing.TOKENS])
 
     b = initial_balancing_biases(num_experts)
-    opt = tx.init({"b": b[None]})
+    opt = control.init(b[None])
     history = []
-    for _ in range(steps):
-        b, opt, summary = step(b, opt)
+    for i in range(steps):
+        b, opt, summary = step(b, opt, router(i) if callable(router) else router)
         history.append({k: float(v) for k, v in summary.items() if v.ndim == 0})
     return b, history
 
@@ -80,8 +123,8 @@ def test_router_uses_the_balancing_biases_for_the_choice_only():
     modeldef, params, biases = split(Zaya(cfg, rngs=nnx.Rngs(0)))
     tokens = jax.random.randint(jax.random.key(1), (2, 16), 0, cfg.vocab_size)
     pushed = {k: v.at[:, 1].set(10.0) for k, v in biases.items()}  # force expert 1 in every layer
-    _, choices = modeldef.merge(params, pushed).hidden_states(tokens)
-    assert np.all(np.asarray(choices) == 1)
+    _, routing = modeldef.merge(params, pushed).hidden_states(tokens)
+    assert np.all(np.asarray(routing.expert) == 1)
 
 
 def _close_router(num_experts=4, tokens=4096, spread=1e-2):
@@ -99,10 +142,25 @@ def test_adam_herds_where_the_probabilities_are_close():
     assert np.mean([h["load_max"] for h in history[1:]]) > 1.7, [round(h["load_max"], 2) for h in history]
 
 
-def test_the_proportional_balancer_keeps_the_even_start_where_adam_herds():
-    """The same router: steps proportional to the error are small when the error is."""
-    _, history = _balance(_close_router(), lr=5e-3, steps=40, num_experts=4, kind="proportional")
+def test_the_spread_balancer_keeps_the_even_start_where_adam_herds():
+    """The same router at the default gain: steps in units of the tokens' spread are small when it is."""
+    _, history = _balance(_close_router(), lr=0.5, steps=40, num_experts=4, kind="spread")
     assert max(h["load_max"] for h in history) < 1.1, [round(h["load_max"], 2) for h in history]
+
+
+def _drifting_router(rate=0.05, num_experts=4, tokens=4096):
+    """Probabilities that differ between tokens by ~0.02 while one expert's rise by ~0.01 per step, every
+    token alike: the crowded, drifting router of the default run while its loss falls fastest."""
+    base = 0.1 * jax.random.normal(jax.random.key(3), (tokens, num_experts + 1))
+    return lambda step: jax.nn.softmax(base.at[:, 1].add(rate * step), axis=-1)
+
+
+def test_the_spread_balancer_cancels_a_drifting_router():
+    """A proportional step alone lags a drifting router by a constant overload; the feed-forward of the
+    mean probability's drift removes the lag (without it the busiest expert holds ~2× its share)."""
+    _, history = _balance(_drifting_router(), lr=0.5, steps=80, num_experts=4, kind="spread")
+    late = [round(h["load_max"], 2) for h in history[10:]]
+    assert max(late) < 1.3, late
 
 
 class _Events:

@@ -162,7 +162,7 @@ def _tensorboard_tags(path):
     (["--config.data.source=/nonexistent/corpus.txt"], "/nonexistent/corpus.txt", 1),
     (["--config.data.tokenizer=/nonexistent/tokenizer.json"], "/nonexistent/tokenizer.json", 1),
     (["--config.model.moe_kernel=triton"], "model.moe_kernel must be one of", 1),
-    (["--config.optim.balancer=sign"], "optim.balancer must be one of proportional, adam, got 'sign'", 1),
+    (["--config.optim.balancer=sign"], "optim.balancer must be one of spread, adam, got 'sign'", 1),
     (["--config.model.attention_kernel=cudnn"], "model.attention_kernel=cudnn cannot train: training packs", 1),
     (["--config.model.moe_kernel=hipblaslt"], "the hipblaslt grouped_matmul backend needs an AMD GPU (ROCm)", 1),
     (["--config.train.compile_cache="], "train.compile_cache must be 'workdir', 'off' or a directory", 1),

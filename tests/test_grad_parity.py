@@ -24,6 +24,7 @@ from zaya_jax.config import preset
 from zaya_jax.data.packing import pack_documents
 from zaya_jax.model.layer_stack import INERT_IN_LAYER_0, per_layer
 from zaya_jax.model.state import build_model
+from zaya_jax.train import balancing
 from zaya_jax.train.model_state import split
 from zaya_jax.train.step import BATCH_KEYS, StepConfig, accumulate_gradients
 
@@ -79,10 +80,10 @@ def our_loss_and_grads(cfg, arrays, batch, vocab_chunk: int, micro_batches: int)
     step_cfg = StepConfig(vocab_chunk=vocab_chunk)
     batches = {k: jnp.asarray(batch[k]).reshape(micro_batches, -1, batch[k].shape[-1]) for k in BATCH_KEYS}
     accumulate = jax.jit(functools.partial(accumulate_gradients, modeldef, cfg=step_cfg))
-    grads, loss_sum, ntok, counts = accumulate(params, biases, batches)
+    grads, loss_sum, ntok, routes = accumulate(params, biases, batches)
     denom = jnp.maximum(ntok, 1.0)  # as train_step
     grads = {k: np.asarray(g / denom) for k, g in grads.items()}
-    return float(loss_sum / denom), grads, np.asarray(counts), modeldef, biases
+    return float(loss_sum / denom), grads, np.asarray(routes), modeldef, biases
 
 
 def assert_grads_close(ours: dict, ref: dict, tol: float = GRAD_TOL) -> dict[str, float]:
@@ -114,10 +115,11 @@ def test_loss_and_gradients_match_hf(name):
     assert (segments.max(axis=1) >= 2).any() and (segments == 0).any() and (mask == 0).any()
     assert (mask[:-1, -1] == 1).any()
 
-    loss, ours, counts, modeldef, biases = our_loss_and_grads(cfg, arrays, batch, spec["vocab_chunk"],
+    loss, ours, routes, modeldef, biases = our_loss_and_grads(cfg, arrays, batch, spec["vocab_chunk"],
                                                              spec["micro_batches"])
     # Every class, the skip class (a zero router weight on the token) included, in every layer:
     # otherwise an expert's gradient, or the skip path's, would be zero on both sides and untested.
+    counts = routes[:, balancing.TOKENS]
     assert (counts > 0).all(), f"a class is never chosen (layers × classes):\n{counts}"
 
     hf.zero_grad()
@@ -133,6 +135,13 @@ def test_loss_and_gradients_match_hf(name):
         chosen = biased.argmax(-1)
         unbiased = (biased - hf.model.layers[layer].mlp.gate.balancing_biases.numpy()).argmax(-1)
         assert (chosen == cfg.num_experts).any() and (chosen != unbiased).any(), f"layer {layer}"
+        # What the balancer reads (`balancing.route_sums`): HF's choices counted, its probabilities
+        # summed, over the batch's tokens (each HF piece also runs its last target: dropped here).
+        biased = np.concatenate([call[:-1] for call in calls])
+        chosen, probs = biased.argmax(-1), biased - hf.model.layers[layer].mlp.gate.balancing_biases.numpy()
+        np.testing.assert_array_equal(counts[layer], np.bincount(chosen, minlength=cfg.num_experts + 1))
+        np.testing.assert_allclose(routes[layer, balancing.PROB], probs.sum(0), rtol=1e-5)
+        np.testing.assert_allclose(routes[layer, balancing.PROB_SQ], (probs ** 2).sum(0), rtol=1e-5)
     ref, skipped = hf_gradients_as_ours(hf, cfg)
     ref_loss = ref_loss.item()
     assert abs(loss - ref_loss) <= LOSS_TOL * abs(ref_loss), f"loss {loss} vs HF {ref_loss}"

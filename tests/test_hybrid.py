@@ -125,7 +125,7 @@ def test_the_stack_scans_over_the_patterns_unit_with_the_unrolled_values_and_gra
 
     def loss(params, scan, unroll):
         hidden, choices = nnx.merge(graphdef, params, rest).hidden_states(IDS, SEGMENTS, scan=scan, unroll=unroll)
-        return jnp.sum(hidden ** 2), choices
+        return jnp.sum(hidden ** 2), choices.expert
 
     run = jax.jit(jax.value_and_grad(loss, has_aux=True), static_argnums=(1, 2))
     (value, choices), grads = run(params, True, 1)

@@ -56,8 +56,8 @@ def test_random_init_exercises_router_paths():
     """The randomised biases must make the skip class and bias-changed choices actually happen."""
     cfg, hf, ours = pair("g4")
     ids = np.random.RandomState(2).randint(0, cfg.vocab_size, (4, 32))
-    _, choices = ours.hidden_states(jnp.asarray(ids))
-    choices = np.asarray(choices)
+    _, routing = ours.hidden_states(jnp.asarray(ids))
+    choices = np.asarray(routing.expert)
     assert (choices == cfg.num_experts).any(), "skip class never chosen"
     assert len(np.unique(choices)) > 3
     assert_close_logits(ours(jnp.asarray(ids)), hf_logits(hf, ids))
@@ -90,14 +90,14 @@ def test_bfloat16_policy_tracks_float32():
     as bf16's precision explains."""
     cfg, _, ours = pair("g4")
     ids = jnp.asarray(np.random.RandomState(6).randint(0, cfg.vocab_size, (2, 16)))
-    hidden, ref_choices = ours.hidden_states(ids)
+    hidden, ref_routing = ours.hidden_states(ids)
     ref = np.asarray(ours.logits(hidden))
     ours.cfg = ours.cfg.replace(compute_dtype="bfloat16")
-    hidden, low_choices = ours.hidden_states(ids)
+    hidden, low_routing = ours.hidden_states(ids)
     low = ours.logits(hidden)
     assert low.dtype == jnp.float32  # the LM head is an fp32 island
     # A flipped expert choice is a discrete jump no roundoff bound covers; this input has none.
-    np.testing.assert_array_equal(np.asarray(low_choices), np.asarray(ref_choices))
+    np.testing.assert_array_equal(np.asarray(low_routing.expert), np.asarray(ref_routing.expert))
     scale = float(np.abs(ref).max())
     err = float(np.abs(np.asarray(low) - ref).max())
     u = 2.0 ** -8  # bf16's unit roundoff: 8 significant bits, each rounding off by at most 2^-8 relative

@@ -4,6 +4,12 @@ fp32 compute, a few steps of the real step (Muon/AdamW, clipping, balancer, chun
 micro-batch accumulation); losses, gradient norms and final parameters must agree with the
 single-device run (the norms because Muon and AdamW are blind to a constant gradient scale).
 In bf16, the losses of two steps must agree to bf16 rounding.
+
+The layouts run the Adam balancer, whose bias steps depend on the integer token counts alone, so
+the biases (and every routing choice) are bit-identical across layouts. The default `spread`
+balancer also reads the router probabilities' sums, which differ between layouts in the last bit
+(their summation order), and that is enough to flip a token that sits at a tie; its inputs and
+biases are compared across layouts on their own.
 """
 
 import os
@@ -13,17 +19,21 @@ import numpy as np
 import pytest
 
 from zaya_jax.experiment import load_experiment
+from zaya_jax.train import balancing
 from zaya_jax.train.program import build_program
+from zaya_jax.train.step import make_gradient_step
 
 TINY = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "experiments", "tiny_cpu.py")
 STEPS = 3
 NORM_RTOL = 1e-5  # the gradient norm of every step, the layouts' own fp32 summation order apart
 
 
-def _overrides(**mesh):
+def _overrides(balancer="adam", **mesh):
     base = {"train.global_batch_size": 8, "train.seq_len": 32, "train.steps": 10, "optim.warmup_steps": 1,
             "optim.lr": 1e-2, "train.loss_vocab_chunk": 100, "model.num_hidden_layers": 2,
-            "mesh.data": 1, "mesh.fsdp": 1, "mesh.expert": 1}
+            "mesh.data": 1, "mesh.fsdp": 1, "mesh.expert": 1, "optim.balancer": balancer}
+    if balancer == "adam":
+        base["optim.balance_lr"] = 1e-2
     base.update({f"mesh.{k}": v for k, v in mesh.items()})
     return [f"--config.{k}={v}" for k, v in base.items()]
 
@@ -79,6 +89,29 @@ def test_layout_trains_like_one_device(single, mesh, accum):
     for key in ref_params:
         np.testing.assert_allclose(params[key], ref_params[key], rtol=1e-3, atol=2e-5, err_msg=key)
     for key in ref_biases:
+        np.testing.assert_allclose(biases[key], ref_biases[key], atol=1e-6, err_msg=key)
+
+
+@pytest.mark.parametrize("mesh", [dict(tsp=8), dict(data=2, fsdp=2, tensor=2)], ids=str)
+def test_the_spread_balancer_reads_and_moves_the_same_under_a_layout(mesh):
+    """The default balancer's inputs (route sums: token counts exactly, probability sums to fp32
+    rounding) and the biases it sets after the first step, under a layout and on one device."""
+    def first_step(overrides, devices):
+        program = build_program(load_experiment(TINY, overrides), devices=devices)
+        state = program.init()
+        batch = program.place_batch(_batches()[0])
+        grads_step = program._under_mesh(make_gradient_step(program.modeldef, program.step_cfg))
+        _, sums = jax.jit(grads_step)(state.params, state.biases, batch)
+        before = jax.device_get(state.biases)
+        state, _ = program.jitted_train_step()(state, batch)
+        return np.asarray(sums["routes"]), before, jax.device_get(state.biases)
+
+    routes, _, biases = first_step(_overrides("spread", **mesh), jax.devices())
+    ref_routes, before, ref_biases = first_step(_overrides("spread"), jax.devices()[:1])
+    np.testing.assert_array_equal(routes[:, balancing.TOKENS], ref_routes[:, balancing.TOKENS])
+    np.testing.assert_allclose(routes, ref_routes, rtol=1e-5)
+    for key in ref_biases:
+        assert np.abs(ref_biases[key] - before[key]).max() > 1e-3  # the step moved them
         np.testing.assert_allclose(biases[key], ref_biases[key], atol=1e-6, err_msg=key)
 
 

@@ -16,7 +16,7 @@ from zaya_jax.config import preset as model_preset
 from zaya_jax.model.remat import REMAT_POLICIES as _POLICIES
 
 REMAT_POLICIES = tuple(_POLICIES)
-BALANCERS = ("proportional", "adam")  # optim.balancer: train/balancing.py
+BALANCERS = ("spread", "adam")  # optim.balancer: train/balancing.py
 
 # Keys whose value may legitimately be None, with the types allowed otherwise.
 NULLABLE = {
@@ -85,11 +85,12 @@ def _optim() -> dict:
         muon_ns_steps=5,  # Newton–Schulz iterations
         muon_rms=0.2,  # update RMS Muon is scaled to (AdamW's typical update RMS)
         # ZAYA1's bias balancer (train/balancing.py): each step every bias moves against its expert's
-        # load error (E·load − 1)/(E + 1). proportional: by balance_lr × the error (settles); adam: the
-        # report's Adam, by about balance_lr whatever the error (herds while the router's probabilities
-        # are close)
-        balancer="proportional",
-        balance_lr=0.125,
+        # overload E·load − 1. spread: by balance_lr × the overload × the spread of the router's
+        # probabilities between tokens, plus the drift of its mean probability (settles, follows the
+        # router); adam: the report's Adam, by about balance_lr whatever the error (herds while the
+        # router's probabilities are close)
+        balancer="spread",
+        balance_lr=0.5,
         balance_b1=0.9,  # adam only
         balance_b2=0.999,  # adam only
     )

@@ -58,7 +58,8 @@ def run_blocks(blocks: tuple, mixers: Mapping[str, tuple], kinds: str, h: jax.Ar
     """Thread (h, router state) through every layer: `step(block, mixer, h, router_state)` →
     (h, router_state, routing). `blocks` is (one block's graphdef, the state stacked over all
     layers), `mixers[kind]` (graphdef, state stacked over the layers of that kind; `kinds`, one
-    letter per layer). Returns h and the expert choices [L, B, S].
+    letter per layer). Returns h and every layer's `Routing`, stacked ([L, B, S] choices, [L, B, S, E+1]
+    router probabilities).
 
     The scan runs over the repeating unit of the layer pattern (one block for an all-CCA model);
     `unroll` units run per scan iteration: the unit is still traced once, XLA compiles that many
@@ -79,20 +80,24 @@ def run_blocks(blocks: tuple, mixers: Mapping[str, tuple], kinds: str, h: jax.Ar
             mixer = nnx.merge(split[kind][0], _row(mixer_rows[kind], seen[kind]))
             seen[kind] += 1
             h, router_state, routing = step(block, mixer, h, router_state)
-            chosen.append(routing.expert)
-        return (h, router_state), jnp.stack(chosen)
+            chosen.append(routing)
+        return (h, router_state), _stack(chosen)
 
     body = checkpointed(body, remat, in_scan=scan and unroll == 1)  # unrolled copies need the CSE barrier
     carry = (h, first_router_state)
     if scan:
-        carry, choices = jax.lax.scan(body, carry, xs, unroll=unroll)
+        carry, routing = jax.lax.scan(body, carry, xs, unroll=unroll)
     else:
         per_unit = []
         for u in range(units):
             carry, chosen = body(carry, _row(xs, u))
             per_unit.append(chosen)
-        choices = jnp.stack(per_unit)
-    return carry[0], choices.reshape(len(kinds), *choices.shape[2:])
+        routing = _stack(per_unit)
+    return carry[0], jax.tree.map(lambda a: a.reshape(len(kinds), *a.shape[2:]), routing)
+
+
+def _stack(trees: list):
+    return jax.tree.map(lambda *leaves: jnp.stack(leaves), *trees)
 
 
 def repeating_unit(kinds: str) -> str:

@@ -88,7 +88,7 @@ class Zaya(nnx.Module):
 
     def hidden_states(self, input_ids: jax.Array, segment_ids=None, positions=None, remat: str = "none",
                       layout: Layout = LOCAL, scan: bool = True, unroll: int = 1):
-        """Final-normed fp32 hidden states [B, S, H] and per-layer expert choices [L, B, S].
+        """Final-normed fp32 hidden states [B, S, H] and every layer's `Routing` stacked (`.expert` [L, B, S]).
 
         `remat` names a policy of `model/remat.py` applied to each block (training memory);
         `layout` runs the layers over devices (`model/layout.py`; default: here, one device);
@@ -103,9 +103,9 @@ class Zaya(nnx.Module):
             return block(mixer, h, router_state, seq, dtype, layout)
 
         blocks, mixers = self.layers.split(cfg)
-        h, choices = run_blocks(blocks, mixers, cfg.layer_kinds, h, no_router_state, step, remat=remat, scan=scan,
+        h, routing = run_blocks(blocks, mixers, cfg.layer_kinds, h, no_router_state, step, remat=remat, scan=scan,
                                 unroll=unroll)
-        return self.final_norm(h, jnp.float32, layout), choices
+        return self.final_norm(h, jnp.float32, layout), routing
 
     def logits(self, hidden: jax.Array) -> jax.Array:
         """Tied LM head in fp32."""

@@ -1,30 +1,42 @@
 """ZAYA1's expert load balancing: the router biases move against the load error, no auxiliary loss.
 
 After each optimizer step, each layer's `balancing_biases` (which shift the top-1 *choice*,
-never the mixing weight) move against the load error `(E·load_e − 1) / (E + 1)` (0 at the fair
-share 1/E, 1/(E+1) at twice it), where `load_e` is the fraction of the step's tokens — the whole
-global batch, all micro-batches — that layer sent to expert e: an overloaded expert's bias goes
-down, an idle one's goes up. The skip class keeps its bias (−1, as released): its error is 0, so it stays inert,
-matching HF `ZayaForCausalLM` checkpoints (the target for the skip class is unpublished).
+never the mixing weight) move against that layer's load error, measured over the step's tokens
+(the whole global batch, all micro-batches): an overloaded expert's bias goes down, an idle
+one's goes up. The skip class keeps its bias (−1, as released): it is never moved, matching HF
+`ZayaForCausalLM` checkpoints (the target for the skip class is unpublished).
 
-Two controllers (`optim.balancer`), both fed the error as the gradient of the biases:
-- `proportional` (the default): plain gradient descent, each step `balance_lr × error`. The step
-  shrinks as the load evens out, so the biases settle instead of overshooting.
-- `adam`: the ZAYA1 report's words (an Adam optimizer on the biases; its lr and betas are
-  unpublished). Adam normalises its step, so every bias moves by about `balance_lr` per step
-  whatever the size of the error: when the router's probabilities differ between tokens by less
-  than that, each step sends all of a layer's tokens to the expert whose bias is highest, and the
-  next step elsewhere (herding; benchmarks/routing_health.md).
-`E·load_e − 1` is the overload relative to the fair share, and 1/(E+1) the size of a router
-probability (a softmax over E experts and the skip class), which is what a bias competes with: so
-one proportional gain suits any expert count. Adam is blind to the error's scale.
+The step reports per layer and class the tokens routed there and the sums of the router's
+probability p and p² over the step's tokens (`route_sums`, [L, 3, E+1]); from them come the load,
+the mean probability p̄ and its spread σ between tokens.
+
+Two controllers (`optim.balancer`):
+- `spread` (the default): each step, bias_e −= balance_lr · σ_e · (E·load_e − 1) + Δp̄_e. The first
+  term is a proportional step measured in units of how much the router's probabilities differ
+  between tokens: a bias step of σ moves a sizeable share of tokens whatever σ is, so the gain
+  that settles at σ = 0.05 (a fresh router) neither oscillates at σ = 0.015 (while the residual
+  stream moves fast, the router's tokens crowd together) nor crawls at σ = 0.2 (a trained one).
+  The second is feed-forward: Δp̄_e is the change of expert e's mean probability since the
+  previous step (centred over the experts), the drift the router's own updates cause, which the
+  biases cancel before it shows in the load. Without either term the busiest expert reaches
+  2.5–3× its fair share for tens of steps while the loss falls fastest (benchmarks/routing_health.md).
+  `balance_lr` 0 turns balancing off.
+- `adam`: the ZAYA1 report's words: an Adam optimizer fed the error `(E·load_e − 1)/(E + 1)` as the
+  gradient of the biases (its lr and betas are unpublished). Adam normalises its step, so every
+  bias moves by about `balance_lr` per step whatever the error: when the router's probabilities
+  differ between tokens by less than that, each step sends all of a layer's tokens to the expert
+  whose bias is highest, and the next step elsewhere (herding).
 """
 
 from __future__ import annotations
 
+from typing import Any, Callable, NamedTuple
+
 import jax
 import jax.numpy as jnp
 import optax
+
+TOKENS, PROB, PROB_SQ = 0, 1, 2  # the rows of `route_sums`
 
 
 def expert_counts(choices: jax.Array, valid: jax.Array, num_experts: int) -> jax.Array:
@@ -34,33 +46,88 @@ def expert_counts(choices: jax.Array, valid: jax.Array, num_experts: int) -> jax
     return jnp.einsum("l...e,...->le", onehot, valid.astype(jnp.float32))
 
 
+def route_sums(choices: jax.Array, probs: jax.Array, valid: jax.Array) -> jax.Array:
+    """What the balancer reads from one batch, fp32[L, 3, E+1]: per layer and class, the valid tokens
+    routed there, and the sums over valid tokens of the router probability and of its square.
+    choices int32[L, ...], probs [L, ..., E+1], valid bool[...]. Sums, so micro-batches and
+    replicas add them."""
+    num_classes = probs.shape[-1]
+    weights = valid.astype(jnp.float32)
+    probs = jax.lax.stop_gradient(probs).astype(jnp.float32)
+    return jnp.stack([expert_counts(choices, valid, num_classes - 1),
+                      jnp.einsum("l...e,...->le", probs, weights),
+                      jnp.einsum("l...e,...->le", jnp.square(probs), weights)], axis=1)
+
+
 def load_fractions(counts: jax.Array) -> jax.Array:
     """Per-layer fraction of tokens per class, fp32[L, E+1]."""
     return counts / jnp.maximum(counts.sum(axis=-1, keepdims=True), 1.0)
 
 
-def load_error(counts: jax.Array) -> jax.Array:
-    """(E·load_e − 1) / (E + 1) for real experts (load_e over the layer's tokens, skip included), 0 for
-    the skip class."""
+def overload(counts: jax.Array) -> jax.Array:
+    """E·load_e − 1 for real experts (0 at the fair share, 1 at twice it; load over the layer's tokens,
+    skip included), 0 for the skip class."""
     num_experts = counts.shape[-1] - 1
-    err = (load_fractions(counts) * num_experts - 1.0) / (num_experts + 1)
-    return err.at[..., -1].set(0.0)
+    return (load_fractions(counts) * num_experts - 1.0).at[..., -1].set(0.0)
 
 
-def balancer(kind: str, lr: float, b1: float = 0.9, b2: float = 0.999) -> optax.GradientTransformation:
-    """The controller that turns load errors into bias steps: `optim.balancer`, one of
-    `experiment.schema.BALANCERS` (validated there)."""
-    if kind == "proportional":
-        return optax.sgd(lr)
-    return optax.adam(lr, b1=b1, b2=b2)
+def load_error(counts: jax.Array) -> jax.Array:
+    """The Adam balancer's gradient: (E·load_e − 1) / (E + 1), 0 for the skip class."""
+    return overload(counts) / counts.shape[-1]
 
 
-def update_biases(biases: dict, counts: jax.Array, key: str, tx: optax.GradientTransformation,
-                  state: optax.OptState) -> tuple[dict, optax.OptState]:
-    """One balancing step of `biases[key]`, the layers' biases stacked [L, E+1] like counts."""
-    grads = {key: load_error(counts)}
-    updates, state = tx.update(grads, state, biases)
-    return optax.apply_updates(biases, updates), state
+def probability_moments(sums: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Mean router probability p̄ and its standard deviation σ between tokens, each fp32[L, E+1]."""
+    tokens = jnp.maximum(sums[:, TOKENS].sum(-1, keepdims=True), 1.0)
+    mean, mean_sq = sums[:, PROB] / tokens, sums[:, PROB_SQ] / tokens
+    return mean, jnp.sqrt(jnp.maximum(mean_sq - jnp.square(mean), 0.0))
+
+
+class Balancer(NamedTuple):
+    """`init(biases [L, E+1]) -> state`; `update(biases, route_sums, state) -> (biases, state)`."""
+    init: Callable[[jax.Array], Any]
+    update: Callable[[jax.Array, jax.Array, Any], tuple[jax.Array, Any]]
+
+
+def balancer(kind: str, lr: float, b1: float = 0.9, b2: float = 0.999) -> Balancer:
+    """The controller that moves the biases: `optim.balancer`, one of `experiment.schema.BALANCERS`
+    (validated there)."""
+    if kind == "spread":
+        return _spread(lr)
+    return _adam(lr, b1, b2)
+
+
+def _spread(gain: float) -> Balancer:
+    if gain == 0:  # balancing off: the feed-forward alone would still move the biases
+        return Balancer(lambda biases: (), lambda biases, sums, state: (biases, state))
+
+    def init(biases):
+        return {"mean_probs": jnp.zeros(biases.shape, jnp.float32), "seen": jnp.zeros((), jnp.bool_)}
+
+    def update(biases, sums, state):
+        mean, sigma = probability_moments(sums)
+        drift = jnp.where(state["seen"], mean - state["mean_probs"], 0.0)[:, :-1]
+        drift = jnp.pad(drift - drift.mean(-1, keepdims=True), ((0, 0), (0, 1)))  # skip class: 0
+        step = gain * sigma * overload(sums[:, TOKENS]) + drift
+        return biases - step, {"mean_probs": mean, "seen": jnp.ones((), jnp.bool_)}
+
+    return Balancer(init, update)
+
+
+def _adam(lr: float, b1: float, b2: float) -> Balancer:
+    tx = optax.adam(lr, b1=b1, b2=b2)
+
+    def update(biases, sums, state):
+        updates, state = tx.update(load_error(sums[:, TOKENS]), state, biases)
+        return optax.apply_updates(biases, updates), state
+
+    return Balancer(tx.init, update)
+
+
+def update_biases(biases: dict, sums: jax.Array, key: str, control: Balancer, state) -> tuple[dict, Any]:
+    """One balancing step of `biases[key]`, the layers' biases stacked [L, E+1] like `sums`' classes."""
+    new, state = control.update(biases[key], sums, state)
+    return {**biases, key: new}, state
 
 
 def load_summary(counts: jax.Array) -> dict[str, jax.Array]:

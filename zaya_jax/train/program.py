@@ -66,8 +66,8 @@ class Program:
         held = {k: (s.spec, self.modeldef.param_shapes[k]) for k, s in self.optimizer_shardings().items()}
         self.tx, self.schedule = build_optimizer(c.optim, c.train.steps, self.modeldef.param_axes,
                                                  spread=spread_matrices(self.mesh, held))
-        self.balance_tx = balancing.balancer(c.optim.balancer, c.optim.balance_lr, c.optim.balance_b1,
-                                             c.optim.balance_b2)
+        self.balancer = balancing.balancer(c.optim.balancer, c.optim.balance_lr, c.optim.balance_b1,
+                                           c.optim.balance_b2)
         # The mesh's schedules run the layers; they look at which axes are split when traced.
         self.step_cfg = StepConfig(remat=c.train.remat, scan_layers=c.train.scan_layers,
                                    scan_unroll=c.train.scan_unroll, vocab_chunk=c.train.loss_vocab_chunk,
@@ -101,7 +101,7 @@ class Program:
 
     def _init(self) -> TrainState:
         params, biases = init_arrays(self.modeldef.cfg, self.exp.config.train.seed)
-        return init_state(params, biases, self.tx, self.balance_tx, self.step_cfg.guard)
+        return init_state(params, biases, self.modeldef.bias_key, self.tx, self.balancer, self.step_cfg.guard)
 
     def _reduction(self):
         """How the step reduces gradients over `data`: with several micro-batches, once after the
@@ -158,7 +158,7 @@ class Program:
         return jax.device_put(bad_steps.init(self.step_cfg.guard), self.state_shardings.guard)
 
     def jitted_train_step(self):
-        step = self._under_mesh(make_train_step(self.modeldef, self.tx, self.balance_tx, self.schedule, self.step_cfg))
+        step = self._under_mesh(make_train_step(self.modeldef, self.tx, self.balancer, self.schedule, self.step_cfg))
         return jax.jit(step, in_shardings=(self.state_shardings, self.batch_sharding()),
                        out_shardings=(self.state_shardings, self.replicated()), donate_argnums=0)
 

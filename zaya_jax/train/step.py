@@ -58,9 +58,9 @@ class StepConfig:
 
 
 def batch_sums(modeldef: ModelDef, params, biases, batch, cfg: StepConfig):
-    """Summed token loss, counted tokens and expert counts [L, E+1] for one micro-batch."""
+    """Summed token loss, counted tokens and the balancer's route sums [L, 3, E+1] for one micro-batch."""
     model = modeldef.merge(params, biases)
-    hidden, choices = model.hidden_states(batch["inputs"], batch["segment_ids"], batch["positions"],
+    hidden, routing = model.hidden_states(batch["inputs"], batch["segment_ids"], batch["positions"],
                                           remat=cfg.remat, layout=cfg.layout, scan=cfg.scan_layers,
                                           unroll=cfg.scan_unroll)
     # [B, S] kept apart: flattening a sequence-split batch would gather it (train/loss.py).
@@ -68,45 +68,45 @@ def batch_sums(modeldef: ModelDef, params, biases, batch, cfg: StepConfig):
                          matmul_dtype=modeldef.cfg.compute_dtype)
     mask = batch["loss_mask"].astype(jnp.float32)
     valid = batch["segment_ids"] > 0
-    counts = balancing.expert_counts(choices, valid, modeldef.cfg.num_experts)
-    return jnp.sum(per_token * mask), (jnp.sum(mask), counts)
+    routes = balancing.route_sums(routing.expert, routing.probs, valid)
+    return jnp.sum(per_token * mask), (jnp.sum(mask), routes)
 
 
 def accumulate_gradients(modeldef, params, biases, batches, cfg: StepConfig):
-    """Sum of gradients, losses, token counts and expert counts over micro-batches [A, b, S]."""
+    """Sum of gradients, losses, token counts and route sums over micro-batches [A, b, S]."""
     grad_fn = jax.value_and_grad(lambda p, b: batch_sums(modeldef, p, biases, b, cfg), has_aux=True)
 
     def body(carry, micro):
-        (loss, (ntok, counts)), grads = grad_fn(params, micro)
-        g_sum, l_sum, n_sum, c_sum = carry
-        return (jax.tree.map(jnp.add, g_sum, grads), l_sum + loss, n_sum + ntok, c_sum + counts), None
+        (loss, (ntok, routes)), grads = grad_fn(params, micro)
+        g_sum, l_sum, n_sum, r_sum = carry
+        return (jax.tree.map(jnp.add, g_sum, grads), l_sum + loss, n_sum + ntok, r_sum + routes), None
 
     layers, classes = modeldef.cfg.num_hidden_layers, modeldef.cfg.num_experts + 1
     init = (jax.tree.map(jnp.zeros_like, params), jnp.float32(0), jnp.float32(0),
-            jnp.zeros((layers, classes), jnp.float32))
-    (grads, loss, ntok, counts), _ = jax.lax.scan(body, init, batches)
-    return grads, loss, ntok, counts
+            jnp.zeros((layers, 3, classes), jnp.float32))
+    (grads, loss, ntok, routes), _ = jax.lax.scan(body, init, batches)
+    return grads, loss, ntok, routes
 
 
 def make_gradient_step(modeldef: ModelDef, cfg: StepConfig):
     """`gradient_step(params, biases, batches) -> (grads, sums)`: the gradient of the mean token
     loss over the global batch [A, b, S] (reduced over the replicas by `cfg.reduction`), and
-    `sums`: that loss, the gradient's global norm, the counted tokens and the expert counts. The
+    `sums`: that loss, the gradient's global norm, the counted tokens and the route sums. The
     train step's first half; tests compare its gradients across layouts."""
     accumulate = functools.partial(accumulate_gradients, modeldef, cfg=cfg)
     accumulate = cfg.reduction(accumulate) if cfg.reduction else accumulate
 
     def gradient_step(params, biases, batches):
-        grads, loss_sum, ntok, counts = accumulate(params, biases, batches)
+        grads, loss_sum, ntok, routes = accumulate(params, biases, batches)
         denom = jnp.maximum(ntok, 1.0)
         grads = jax.tree.map(lambda g: g / denom, grads)
         return grads, {"loss": loss_sum / denom, "grad_norm": optax.global_norm(grads), "tokens": ntok,
-                       "counts": counts}
+                       "routes": routes}
 
     return gradient_step
 
 
-def make_train_step(modeldef: ModelDef, tx: optax.GradientTransformation, balance_tx: optax.GradientTransformation,
+def make_train_step(modeldef: ModelDef, tx: optax.GradientTransformation, balancer: balancing.Balancer,
                     schedule: Callable, cfg: StepConfig):
     """`train_step(state, batches) -> (state, metrics)`; `batches` leaves are [A, b, S]."""
     bias_key = modeldef.bias_key
@@ -114,15 +114,17 @@ def make_train_step(modeldef: ModelDef, tx: optax.GradientTransformation, balanc
 
     def train_step(state: TrainState, batches):
         grads, sums = gradient_step(state.params, state.biases, batches)
-        loss, grad_norm, ntok, counts = sums["loss"], sums["grad_norm"], sums["tokens"], sums["counts"]
+        loss, grad_norm, ntok, routes = sums["loss"], sums["grad_norm"], sums["tokens"], sums["routes"]
+        counts = routes[:, balancing.TOKENS]
         bad = bad_steps.is_bad(state.guard, loss, grad_norm, cfg.guard)
         updates, opt_state = tx.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
-        biases, balance_state = balancing.update_biases(state.biases, counts, bias_key, balance_tx,
+        biases, balance_state = balancing.update_biases(state.biases, routes, bias_key, balancer,
                                                         state.balance_state)
         guard = bad_steps.record(state.guard, loss, grad_norm, bad)
         metrics = {"loss": loss, "grad_norm": grad_norm, "lr": schedule(state.step),
                    "tokens": ntok, "expert_load": balancing.load_fractions(counts), **balancing.load_summary(counts),
+                   "layer_prob_spread": balancing.probability_moments(routes)[1][:, :-1].mean(-1),
                    "bad_step": bad, "bad_steps": guard.bad_total, "consecutive_bad_steps": guard.consecutive}
         updated = TrainState(state.step + 1, params, biases, opt_state, balance_state, guard)
         return bad_steps.keep_if_bad(bad, dataclasses.replace(state, guard=guard), updated), metrics
@@ -140,6 +142,7 @@ def make_eval_step(modeldef: ModelDef, cfg: StepConfig):
     return eval_step
 
 
-def init_state(params, biases, tx, balance_tx, guard: bad_steps.GuardSettings = bad_steps.GuardSettings()) -> TrainState:
-    return TrainState(jnp.zeros((), jnp.int32), params, biases, tx.init(params), balance_tx.init(biases),
+def init_state(params, biases: dict, bias_key: str, tx, balancer: balancing.Balancer,
+               guard: bad_steps.GuardSettings = bad_steps.GuardSettings()) -> TrainState:
+    return TrainState(jnp.zeros((), jnp.int32), params, biases, tx.init(params), balancer.init(biases[bias_key]),
                       bad_steps.init(guard))
