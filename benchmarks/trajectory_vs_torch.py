@@ -19,7 +19,7 @@ batches, the same recipe, compared step by step.
    restated for HF names), warmup + cosine in a `LambdaLR`, `clip_grad_norm_`, HF's own loss
    (labels −100 off the loss mask, `num_items_in_batch` = the step's loss tokens; each document
    piece of a packed row is its own sequence, since HF's eager attention has no segment ids), and
-   ZAYA1's bias balancer written from the report (`torch_balance_step`). Torch's Muon differs
+   ZAYA1's bias balancer written from its equations (`TorchBalancer`). Torch's Muon differs
    from ours in its Newton–Schulz in one way: bfloat16 (ours fp32); a further torch run
    (`VARIANTS`, `--variants`) patches it to fp32, to measure what that costs. (Both normalise the
    input by max(‖x‖, eps); ours added eps until this comparison showed that it shrinks the router's
@@ -124,35 +124,52 @@ def warmup_cosine(optim, total_steps: int):
     return lr
 
 
-# ---- ZAYA1's bias balancer, from the report (reference/zaya1.md §1.4) --------------------------
-def balance_optimizer(optim, biases):
-    """The controller of the balancing biases: `optim.balancer` "proportional" (plain gradient
-    descent, each step balance_lr × error) or "adam" (the report's Adam; what an experiment without
-    the key means)."""
-    import torch
+# ---- ZAYA1's bias balancer, written from the equations ----------------------------------------
+class TorchBalancer:
+    """The controller of the balancing biases, `optim.balancer`, applied after the optimizer step
+    from the step's choices and router probabilities (its valid tokens). Per layer, with
+    load_e the share of tokens routed to class e and over_e = E·load_e − 1 (0 for the skip class):
+    - "spread": bias_e −= balance_lr · σ_e · over_e + Δp̄_e, with p̄_e and σ_e the mean and standard
+      deviation over the step's tokens of the router probability of e, and Δp̄_e the change of p̄_e
+      since the previous step, minus its mean over the experts (none at the first step, none for
+      the skip class); balance_lr 0: no balancing;
+    - "adam": torch.optim.Adam fed over_e / (E + 1) as the gradient of the biases (the report's words).
+    Written from the description in zaya_jax/train/balancing.py, not from its code."""
 
-    if getattr(optim, "balancer", "adam") == "proportional":
-        return torch.optim.SGD(biases, lr=optim.balance_lr)
-    return torch.optim.Adam(biases, lr=optim.balance_lr, betas=(optim.balance_b1, optim.balance_b2))
+    def __init__(self, optim, routers):
+        import torch
 
+        self.kind, self.gain, self.routers, self.previous = optim.balancer, optim.balance_lr, routers, None
+        if self.kind == "adam":
+            self.adam = torch.optim.Adam([r.balancing_biases for r in routers], lr=optim.balance_lr,
+                                         betas=(optim.balance_b1, optim.balance_b2))
 
-def torch_balance_step(routers, counts, balance_opt) -> None:
-    """One balancing step after the optimizer step: per layer, error_e = (E·load_e − 1) / (E + 1)
-    over the step's tokens (load over all E+1 classes; the skip class's error 0), fed to the
-    controller as the gradient of `balancing_biases`. `counts` [L, E+1]: tokens each layer sent to
-    each class.
+    def step(self, counts, probs) -> None:
+        """counts [L, E+1] tokens per class; probs: per layer, the tokens' probabilities [T, E+1] (float64)."""
+        import numpy as np
+        import torch
 
-    Mirrors what `zaya_jax/train/balancing.py` implements (as of 3e4071f); keep the two in step."""
-    import torch
-
-    num_experts = counts.shape[1] - 1
-    for router, layer_counts in zip(routers, counts):
-        load = layer_counts / max(float(layer_counts.sum()), 1.0)
-        error = (num_experts * load - 1.0) / (num_experts + 1)
-        error[-1] = 0.0
-        router.balancing_biases.grad = torch.as_tensor(error, dtype=torch.float32)
-    balance_opt.step()
-    balance_opt.zero_grad(set_to_none=True)
+        num_experts = counts.shape[1] - 1
+        over = num_experts * counts / np.maximum(counts.sum(-1, keepdims=True), 1.0) - 1.0
+        over[:, -1] = 0.0
+        if self.kind == "adam":
+            for router, layer_over in zip(self.routers, over):
+                router.balancing_biases.grad = torch.as_tensor(layer_over / (num_experts + 1), dtype=torch.float32)
+            self.adam.step()
+            self.adam.zero_grad(set_to_none=True)
+            return
+        if self.gain == 0:
+            return
+        mean = np.stack([p.mean(0) for p in probs])
+        sigma = np.stack([p.std(0) for p in probs])
+        step = self.gain * sigma * over
+        if self.previous is not None:
+            drift = mean[:, :-1] - self.previous[:, :-1]
+            step[:, :-1] += drift - drift.mean(-1, keepdims=True)
+        self.previous = mean
+        with torch.no_grad():
+            for router, layer_step in zip(self.routers, step):
+                router.balancing_biases -= torch.as_tensor(layer_step, dtype=torch.float32)
 
 
 # ---- Newton–Schulz of torch.optim.Muon: as shipped, or patched for diagnosis -----------------
@@ -348,7 +365,7 @@ class TorchTrainer:
         schedule = warmup_cosine(optim, total_steps)
         self.schedules = [torch.optim.lr_scheduler.LambdaLR(o, lambda step: schedule(step) / optim.lr)
                           for o in (self.muon, self.adamw)]
-        self.balance = balance_optimizer(optim, [r.balancing_biases for r in self.routers])
+        self.balance = TorchBalancer(optim, self.routers)
         self.clip_norm = optim.clip_norm
         self.num_classes = model.config.num_experts + 1
         self._counts = None
@@ -414,12 +431,11 @@ class TorchTrainer:
         for schedule in self.schedules:
             schedule.step()
         counts = self._counts.numpy().copy()
-        with torch.no_grad():
-            torch_balance_step(self.routers, counts, self.balance)
+        probs = [torch.cat(p).double().numpy() for p in self._probs]
+        self.balance.step(counts, probs)
         self.model.zero_grad(set_to_none=True)
         load = counts / np.maximum(counts.sum(-1, keepdims=True), 1.0)
         margins = [torch.cat(m).double().numpy() for m in self._margins]
-        probs = [torch.cat(p).double().numpy() for p in self._probs]
         return {"loss": loss, "grad_norm": grad_norm, "lr": lr, "tokens": items, "expert_load": load.tolist(),
                 # Per layer: the median over tokens of (best − second best) biased router score; how much
                 # the router probabilities vary between tokens (std over tokens, mean over classes); and
@@ -585,7 +601,7 @@ def markdown(record: dict) -> str:
         "`torch.optim.AdamW` on the rest, the decay mask of `HF_RECIPE` (our `PARTITION` restated for HF names"
         + (", which agrees with ours" if not c["recipe_mismatches"] else ", which DISAGREES with ours: see below")
         + "), `LambdaLR` warmup + cosine, `clip_grad_norm_`, HF's loss per document piece, and the bias balancer "
-        "(`torch_balance_step`: the error (E·load − 1)/(E + 1) fed to `optim.balancer`'s controller). Torch runs: "
+        "(`TorchBalancer`, `optim.balancer` written from its equations, on the router probabilities HF computed). Torch runs: "
         + "; ".join(f"**{n}** = {d}" for n, d in c["variants"].items()) + ".",
         "",
         (f"**Step 1** (before any update): loss {ours[0]['loss']:.7f} ours vs {runs[head][0]['loss']:.7f} torch "

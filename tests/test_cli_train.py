@@ -43,6 +43,8 @@ def test_short_run_writes_metrics_tensorboard_and_model(tmp_path):
     for key in ("loss", "lr", "grad_norm", "tokens_per_sec", "mfu", "expert_load", "load_entropy", "load_max"):
         assert key in train[-1], key
     assert len(train[-1]["expert_load"]) == 2 and len(train[-1]["expert_load"][0]) == 5  # layers x (E + skip)
+    assert len(train[-1]["layer_load_entropy"]) == 2 and len(train[-1]["layer_prob_spread"]) == 2
+    assert all(0 < s < 0.5 for s in train[-1]["layer_prob_spread"])  # a router whose tokens differ
     assert any("eval_loss" in r for r in records)
     _assert_progress_bar(result, train, next(r["eval_loss"] for r in records if "eval_loss" in r))
     events = list((workdir / "tensorboard").iterdir())

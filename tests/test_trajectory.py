@@ -2,8 +2,8 @@
 
 A small run of `benchmarks/trajectory_vs_torch.py` (which has the whole story): the same initial
 weights (our `Program.init()` exported through `hf_mapping`), the same batches (our pipeline),
-torch's own Muon / AdamW / LambdaLR / clip_grad_norm_ and the bias balancer written from the
-ZAYA1 report. Torch's Muon runs with its Newton–Schulz in fp32, as ours (its input / max(‖x‖, eps) is ours too),
+torch's own Muon / AdamW / LambdaLR / clip_grad_norm_ and the bias balancer written from its
+equations (`TorchBalancer`). Torch's Muon runs with its Newton–Schulz in fp32, as ours (its input / max(‖x‖, eps) is ours too),
 so no known difference is left and every step's loss and grad norm must agree to 1e-3; weight
 decay is on (the tiny_cpu recipe has none) so the decay mask counts too.
 """

@@ -58,6 +58,7 @@ class StepTimer:
             "tflops_per_device": tps * self.flops_per_token / self.num_devices / 1e12,
             "load_entropy": float(metrics["load_entropy"]), "load_max": float(metrics["load_max"]),
             "layer_load_entropy": np.asarray(metrics["layer_load_entropy"], np.float64).round(4).tolist(),
+            "layer_prob_spread": np.asarray(metrics["layer_prob_spread"], np.float64).round(5).tolist(),
             "skip_fraction": float(metrics["skip_fraction"]), "expert_load": load.round(5).tolist(),
             "tokens_seen": step * self.tokens_per_step, "elapsed_sec": now - self.start,
             "bad_steps": int(metrics["bad_steps"]), "consecutive_bad_steps": int(metrics["consecutive_bad_steps"]),
