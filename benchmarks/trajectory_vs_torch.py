@@ -129,8 +129,8 @@ class TorchBalancer:
     """The controller of the balancing biases, `optim.balancer`, applied after the optimizer step
     from the step's choices and router probabilities (its valid tokens). Per layer, with
     load_e the share of tokens routed to class e and over_e = E·load_e − 1 (0 for the skip class):
-    - "spread": bias_e −= balance_lr · σ_e · over_e + Δp̄_e, with p̄_e and σ_e the mean and standard
-      deviation over the step's tokens of the router probability of e, and Δp̄_e the change of p̄_e
+    - "spread": bias_e −= balance_lr · min(σ_e, 1/(4(E+1))) · over_e + Δp̄_e, with p̄_e and σ_e the mean
+      and standard deviation over the step's tokens of the router probability of e, and Δp̄_e the change of p̄_e
       since the previous step, minus its mean over the experts (none at the first step, none for
       the skip class); balance_lr 0: no balancing;
     - "adam": torch.optim.Adam fed over_e / (E + 1) as the gradient of the biases (the report's words).
@@ -161,7 +161,7 @@ class TorchBalancer:
         if self.gain == 0:
             return
         mean = np.stack([p.mean(0) for p in probs])
-        sigma = np.stack([p.std(0) for p in probs])
+        sigma = np.minimum(np.stack([p.std(0) for p in probs]), 0.25 / (num_experts + 1))
         step = self.gain * sigma * over
         if self.previous is not None:
             drift = mean[:, :-1] - self.previous[:, :-1]

@@ -46,19 +46,22 @@ def test_route_sums_count_the_valid_tokens_and_sum_their_probabilities():
 
 
 def test_the_spread_step_is_the_overload_in_units_of_the_spread_plus_the_drift():
-    """bias_e −= gain·σ_e·(E·load_e − 1) + (p̄_e − previous p̄_e, centred over the experts); none for skip."""
+    """bias_e −= gain·min(σ_e, 1/(4(E+1)))·(E·load_e − 1) + (p̄_e − previous p̄_e, centred over the
+    experts); none for skip. The classes' spreads straddle the cap."""
     control = balancing.balancer("spread", 0.5)
     rng = np.random.default_rng(1)
     biases = jnp.asarray(np.tile(initial_balancing_biases(4), (2, 1)))
     state = control.init(biases)
     previous = None
     for _ in range(2):
-        probs = rng.dirichlet(np.ones(5), size=(2, 64)).astype(np.float32)  # [L, T, E+1]
+        logits = rng.normal(size=(2, 64, 5)) * np.array([0.05, 0.1, 0.4, 1.0, 0.2])
+        probs = (np.exp(logits) / np.exp(logits).sum(-1, keepdims=True)).astype(np.float32)  # [L, T, E+1]
         choices = rng.integers(0, 4, size=(2, 64)).astype(np.int32)
         sums = balancing.route_sums(jnp.asarray(choices), jnp.asarray(probs), jnp.ones(64, bool))
         new, state = control.update(biases, sums, state)
         load = np.stack([np.bincount(c, minlength=5) for c in choices]) / 64
-        step = 0.5 * probs.std(1) * (4 * load - 1)
+        assert (probs.std(1) < 0.05).any() and (probs.std(1) > 0.05).any()
+        step = 0.5 * np.minimum(probs.std(1), 0.25 / 5) * (4 * load - 1)
         if previous is not None:
             drift = probs.mean(1) - previous
             step += drift - drift[:, :4].mean(1, keepdims=True)

@@ -86,8 +86,8 @@ def _optim() -> dict:
         muon_rms=0.2,  # update RMS Muon is scaled to (AdamW's typical update RMS)
         # ZAYA1's bias balancer (train/balancing.py): each step every bias moves against its expert's
         # overload E·load − 1. spread: by balance_lr × the overload × the spread of the router's
-        # probabilities between tokens, plus the drift of its mean probability (settles, follows the
-        # router); adam: the report's Adam, by about balance_lr whatever the error (herds while the
+        # probabilities between tokens (capped at 1/(4(E+1))), plus the drift of its mean probability
+        # (settles, follows the router); adam: the report's Adam, by about balance_lr whatever the error (herds while the
         # router's probabilities are close)
         balancer="spread",
         balance_lr=0.5,

@@ -14,8 +14,10 @@ Two controllers (`optim.balancer`):
 - `spread` (the default): each step, bias_e −= balance_lr · σ_e · (E·load_e − 1) + Δp̄_e. The first
   term is a proportional step measured in units of how much the router's probabilities differ
   between tokens: a bias step of σ moves a sizeable share of tokens whatever σ is, so the gain
-  that settles at σ = 0.05 (a fresh router) neither oscillates at σ = 0.015 (while the residual
-  stream moves fast, the router's tokens crowd together) nor crawls at σ = 0.2 (a trained one).
+  that settles at σ = 0.05 (a fresh router) does not oscillate at σ = 0.015 (while the residual
+  stream moves fast, the router's tokens crowd together). σ is capped at a quarter of the even
+  share, 1/(4(E+1)): a trained router's σ grows to ~0.2, and steps that large chase the load's
+  batch-to-batch noise (an expert at 2–2.7× its share now and then late in training).
   The second is feed-forward: Δp̄_e is the change of expert e's mean probability since the
   previous step (centred over the experts), the drift the router's own updates cause, which the
   biases cancel before it shows in the load. Without either term the busiest expert reaches
@@ -97,7 +99,7 @@ def balancer(kind: str, lr: float, b1: float = 0.9, b2: float = 0.999) -> Balanc
     return _adam(lr, b1, b2)
 
 
-def _spread(gain: float) -> Balancer:
+def _spread(gain: float, cap: float = 0.25) -> Balancer:
     if gain == 0:  # balancing off: the feed-forward alone would still move the biases
         return Balancer(lambda biases: (), lambda biases, sums, state: (biases, state))
 
@@ -106,6 +108,7 @@ def _spread(gain: float) -> Balancer:
 
     def update(biases, sums, state):
         mean, sigma = probability_moments(sums)
+        sigma = jnp.minimum(sigma, cap / sums.shape[-1])  # a quarter of the even share 1/(E+1)
         drift = jnp.where(state["seen"], mean - state["mean_probs"], 0.0)[:, :-1]
         drift = jnp.pad(drift - drift.mean(-1, keepdims=True), ((0, 0), (0, 1)))  # skip class: 0
         step = gain * sigma * overload(sums[:, TOKENS]) + drift
