@@ -241,8 +241,9 @@ def entry() -> None:
 
 
 def _one_of_several() -> bool:
-    runtime = sys.modules.get("jax._src.distributed")
-    return runtime is not None and runtime.global_state.client is not None
+    from zaya_jax.jax_compat import in_distributed_run
+
+    return in_distributed_run()
 
 
 def _failed(code: int, together: bool = False) -> int:

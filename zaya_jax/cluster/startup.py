@@ -19,6 +19,7 @@ import os
 import socket
 import time
 
+from zaya_jax import jax_compat
 from zaya_jax.errors import ZayaError
 from zaya_jax.parallel.topology import Topology
 
@@ -169,16 +170,16 @@ def _start_failure(error: Exception, where: str, settings: Settings) -> str:
 def _exchange_nodes(environ, settings: Settings) -> Topology:
     """Every process's node name, through the runtime's key-value store (one round trip each)."""
     import jax
-    from jax._src import distributed
 
-    client = distributed.global_state.client
     me, count = jax.process_index(), jax.process_count()
     name = environ.get(NODE_ENV) or socket.gethostname()
     timeout_ms = settings.initialization_timeout_s * 1000
     try:
-        client.key_value_set(f"{_HOSTS_KEY}{me}", f"{settings.num_processes or count} {name}")
-        client.wait_at_barrier("zaya_nodes", timeout_ms)
-        entries = dict(client.key_value_dir_get(_HOSTS_KEY))
+        jax_compat.key_value_set(f"{_HOSTS_KEY}{me}", f"{settings.num_processes or count} {name}")
+        jax_compat.wait_at_barrier("zaya_nodes", timeout_ms)
+        entries = dict(jax_compat.key_value_dir_get(_HOSTS_KEY))
+    except jax_compat.JaxInternalsMoved:
+        raise
     except Exception as e:  # noqa: BLE001
         raise ZayaError(f"the {count} processes did not all report their node within "
                         f"distributed.initialization_timeout_s ({settings.initialization_timeout_s}s): "

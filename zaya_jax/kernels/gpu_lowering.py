@@ -26,6 +26,7 @@ from typing import Callable
 import jax
 import jax.numpy as jnp
 
+from zaya_jax import jax_compat
 from zaya_jax.errors import ZayaError
 from zaya_jax.kernels import ops
 from zaya_jax.kernels.registry import GPU_TARGETS, device_target, targeting
@@ -43,8 +44,7 @@ def can_lower(platform: str) -> tuple[bool, str]:
     Later jaxlibs compile the IR while lowering, through the platform's plugin: that needs a
     GPU of that platform here.
     """
-    from jax._src.lib import version as jaxlib_version
-
+    jaxlib_version = jax_compat.jaxlib_version()
     if jaxlib_version <= (0, 10, 2):
         return True, ""
     try:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 from typing import Mapping
 
+from zaya_jax import jax_compat
 from zaya_jax.config import KERNEL_FIELDS
 from zaya_jax.errors import ZayaError
 from zaya_jax.kernels.registry import XLA_FLAGS
@@ -20,9 +21,7 @@ from zaya_jax.kernels.registry import XLA_FLAGS
 
 def backends_started() -> bool:
     """Whether JAX has started its backends (after which XLA_FLAGS and jax_platforms are fixed)."""
-    from jax._src import xla_bridge  # no public "has JAX started?" query; absent → assume it has
-
-    return getattr(xla_bridge, "backends_are_initialized", lambda: True)()
+    return jax_compat.backends_started()
 
 
 def needed(kernels) -> list[tuple[str, str]]:

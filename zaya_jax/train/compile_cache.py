@@ -4,7 +4,7 @@
 resumed run loads its compiled step instead of compiling it again), `off`, or a directory that
 several runs share. JAX decides at a process's first compile whether it uses a cache, so `use`
 resets JAX's cache state and points it at the run's directory before the run compiles anything.
-`Hits` counts the compiles served from the cache (JAX's `/jax/compilation_cache/cache_hits` event).
+`Hits` counts the compiles served from the cache (JAX's cache-hit monitoring event).
 """
 
 from __future__ import annotations
@@ -12,11 +12,9 @@ from __future__ import annotations
 import os
 
 import jax
-from jax.experimental.compilation_cache import compilation_cache
 
+from zaya_jax import jax_compat
 from zaya_jax.errors import ZayaError
-
-HIT_EVENT = "/jax/compilation_cache/cache_hits"
 
 
 def directory(setting: str, workdir: str) -> str | None:
@@ -35,7 +33,7 @@ def use(setting: str, workdir: str) -> str | None:
         except OSError as e:
             raise ZayaError(f"train.compile_cache: cannot create {path} ({e.strerror}); "
                             "name a writable directory, or use 'workdir' or 'off'") from None
-    compilation_cache.reset_cache()  # an earlier compile in this process fixed JAX's choice
+    jax_compat.reset_compilation_cache()  # an earlier compile in this process fixed JAX's choice
     jax.config.update("jax_compilation_cache_dir", path)
     return path
 
@@ -47,7 +45,7 @@ class Hits:
         self.count = 0
 
     def _listen(self, event: str, **kwargs) -> None:
-        if event == HIT_EVENT:
+        if event == jax_compat.CACHE_HIT_EVENT:
             self.count += 1
 
     def __enter__(self) -> "Hits":

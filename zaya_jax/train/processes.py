@@ -12,6 +12,7 @@ import itertools
 
 import jax
 
+from zaya_jax import jax_compat
 from zaya_jax.errors import ZayaError
 
 _serial = itertools.count()
@@ -21,22 +22,17 @@ def use_coordination_barriers() -> None:
     """Make Orbax synchronise processes through the coordination service (an absl flag of its own)."""
     if jax.process_count() == 1:
         return
-    import orbax.checkpoint  # noqa: F401  defines the flag
-    from absl import flags
-
-    if not flags.FLAGS.is_parsed():
-        flags.FLAGS.mark_as_parsed()  # zaya parses its own command line; absl's flags keep their defaults
-    flags.FLAGS.experimental_orbax_use_distributed_barrier = True
+    jax_compat.use_orbax_coordination_barriers()
 
 
 def barrier(name: str, timeout_s: int) -> None:
     """Return once every process has called `barrier(name)` (each name used once per run)."""
     if jax.process_count() == 1:
         return
-    from jax._src import distributed  # the runtime's client: JAX has no public barrier without devices
-
     try:
-        distributed.global_state.client.wait_at_barrier(f"zaya_{name}_{next(_serial)}", timeout_s * 1000)
+        jax_compat.wait_at_barrier(f"zaya_{name}_{next(_serial)}", timeout_s * 1000)
+    except jax_compat.JaxInternalsMoved:
+        raise
     except Exception as e:  # noqa: BLE001
         raise ZayaError(f"not every process reached {name!r} within distributed.initialization_timeout_s "
                         f"({timeout_s}s): {' '.join(str(e).split())[:200]}") from None

@@ -1,0 +1,112 @@
+"""The one door to what JAX and Orbax do not publish: every reach past their public APIs is here.
+
+- whether JAX has started its backends (after which XLA_FLAGS are fixed): `backends_started`;
+- the jaxlib version as a tuple: `jaxlib_version`;
+- the distributed runtime's client (barriers and key-value store without devices):
+  `in_distributed_run`, `wait_at_barrier`, `key_value_set`, `key_value_dir_get`;
+- Orbax's absl flag that makes it synchronise through that runtime: `use_orbax_coordination_barriers`;
+- the monitoring event JAX records for a compile served from the persistent cache: `CACHE_HIT_EVENT`,
+  and the reset of JAX's cache choice: `reset_compilation_cache`.
+
+Each reach resolves when it is first used. Where an upgrade moved what it reaches for, the caller
+gets a one-line `ZayaError` naming the JAX version and what moved, never an AttributeError from
+deep inside; `tests/test_jax_compat.py` resolves every reach on the installed JAX, so an upgrade
+that breaks one fails a test. Nothing here imports JAX at import time (the CLI imports this
+module before it decides whether JAX is needed at all).
+"""
+
+from __future__ import annotations
+
+import sys
+
+from zaya_jax.errors import ZayaError
+
+CACHE_HIT_EVENT = "/jax/compilation_cache/cache_hits"
+
+
+class JaxInternalsMoved(ZayaError):
+    """An internal of JAX or Orbax that zaya-jax reaches for is not where it was."""
+
+
+def _moved(what: str, detail: str) -> JaxInternalsMoved:
+    import jax
+
+    return JaxInternalsMoved(f"{what} is not where zaya-jax looks for it in jax {jax.__version__} ({detail}); "
+                             "install a jax version pyproject.toml supports")
+
+
+def _private(module: str, attribute: str, what: str):
+    import importlib
+
+    try:
+        return getattr(importlib.import_module(module), attribute)
+    except (ImportError, AttributeError) as e:
+        raise _moved(what, f"{module}.{attribute}: {e}") from None
+
+
+def backends_started() -> bool:
+    """Whether JAX has started its backends (there is no public query)."""
+    return _private("jax._src.xla_bridge", "backends_are_initialized", "the 'backends started' query")()
+
+
+def jaxlib_version() -> tuple[int, ...]:
+    """The installed jaxlib's version, e.g. (0, 10, 2)."""
+    return tuple(_private("jax._src.lib", "version", "jaxlib's version tuple"))
+
+
+def _client():
+    state = _private("jax._src.distributed", "global_state", "the distributed runtime's state")
+    if not hasattr(state, "client"):
+        raise _moved("the distributed runtime's client", "global_state has no 'client'")
+    return state.client
+
+
+def in_distributed_run() -> bool:
+    """Whether this process joined a `jax.distributed` job (without importing JAX if nothing has)."""
+    if "jax._src.distributed" not in sys.modules:
+        return False
+    return _client() is not None
+
+
+def wait_at_barrier(name: str, timeout_ms: int) -> None:
+    """Return once every process has waited at `name` (the coordination service, no device collective)."""
+    _client().wait_at_barrier(name, timeout_ms)
+
+
+def key_value_set(key: str, value: str) -> None:
+    _client().key_value_set(key, value)
+
+
+def key_value_dir_get(prefix: str) -> list[tuple[str, str]]:
+    return _client().key_value_dir_get(prefix)
+
+
+def use_orbax_coordination_barriers() -> None:
+    """Make Orbax synchronise processes through the coordination service (an absl flag of its own)."""
+    import orbax.checkpoint  # noqa: F401  defines the flag
+    from absl import flags
+
+    if not flags.FLAGS.is_parsed():
+        flags.FLAGS.mark_as_parsed()  # zaya parses its own command line; absl's flags keep their defaults
+    if "experimental_orbax_use_distributed_barrier" not in flags.FLAGS:
+        raise _moved("Orbax's distributed-barrier flag", "no absl flag experimental_orbax_use_distributed_barrier")
+    flags.FLAGS.experimental_orbax_use_distributed_barrier = True
+
+
+def reset_compilation_cache() -> None:
+    """Forget JAX's choice of persistent cache (made at a process's first compile)."""
+    _private("jax.experimental.compilation_cache.compilation_cache", "reset_cache", "the compilation cache reset")()
+
+
+def reaches() -> dict:
+    """Every reach resolved on the installed JAX (for tests/test_jax_compat.py): name → what it found."""
+    import jax
+
+    return {
+        "backends_started": _private("jax._src.xla_bridge", "backends_are_initialized", "the 'backends started' query"),
+        "jaxlib_version": jaxlib_version(),
+        "distributed_state": _private("jax._src.distributed", "global_state", "the distributed runtime's state"),
+        "reset_compilation_cache": _private("jax.experimental.compilation_cache.compilation_cache", "reset_cache",
+                                            "the compilation cache reset"),
+        "jax": jax.__version__,
+    }
