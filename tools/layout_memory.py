@@ -8,10 +8,10 @@ with 8 KV heads so that tensor parallelism can reach 8 devices (ZAYA1 itself has
 which caps Megatron TP at 2 — TSP has no such cap). The TSP paper reports, for a 7B dense model
 at 128K on 8 MI300X, 38.8 GB per GPU with TSP against 70.0 GB with TP.
 
-    python tools/layout_memory.py --seq-len 8192 --out benchmarks/layout_memory_8k    # the README's table
+    python tools/layout_memory.py --seq-len 8192 --out benchmarks/layout_memory_8k    # the table in docs/layouts.md
     python tools/layout_memory.py --seq-len 16384 --layouts tp,tsp --out /tmp/mem
 
-fp32, as the README's table was measured; relative sizes are what the study compares. Megatron
+fp32, as the table in docs/layouts.md was measured; relative sizes are what the study compares. Megatron
 TP here shards heads and expert widths only (the embedding, norms and router stay whole on each
 device, as in our rules).
 Attention here is the `xla` backend, which materialises each device's [heads, queries, keys]

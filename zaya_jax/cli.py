@@ -102,11 +102,11 @@ model/ (the trained model: zaya_jax.load or zaya convert to-hf), checkpoints/ (t
 every checkpoint.every_steps, at the end and on SIGTERM/SIGINT; rerun the same command to resume).
 
 several processes: zaya launch -n N [--cpu-devices K] -- train ..., srun (SLURM), or the flags above;
-  process 0 writes the outputs, every process its checkpoint shards (README: Running on a cluster).
+  process 0 writes the outputs, every process its checkpoint shards (docs/clusters.md).
 
 faults: events.jsonl (zaya report WORKDIR: goodput), a hang watchdog, bad steps skipped and rolled back;
   exit status 0 done, 1 crashed, 2 bad input, 3 hung, 4 repeated bad steps, 143 saved on SIGTERM
-  (README: Surviving faults; zaya launch --max-restarts restarts on 1, 3 and signals)."""
+  (docs/faults.md; zaya launch --max-restarts restarts on 1, 3 and signals)."""
 
 
 def _add_train(jobs) -> None:

@@ -78,7 +78,7 @@ def _optim() -> dict:
         eps=1e-8,
         clip_norm=1.0,  # global gradient-norm clip (0 = off)
         # ZeRO-1: optimizer state split over the mesh's `data` axis, gradients reduce-scattered onto
-        # it once per step (no effect without mesh.data > 1; README: Layouts)
+        # it once per step (no effect without mesh.data > 1; docs/layouts.md)
         shard_over_data=True,
         muon_momentum=0.95,
         muon_nesterov=True,
@@ -118,7 +118,7 @@ def _distributed() -> dict:
 
 
 def _fault() -> dict:
-    # Surviving faults (README: Surviving faults); exit statuses in zaya_jax/exit_codes.py.
+    # Surviving faults (docs/faults.md); exit statuses in zaya_jax/exit_codes.py.
     return dict(
         hang_timeout_sec=1800,  # no step progress this long: dump every thread's stack, exit 3 (0 = off)
         io_timeout_sec=3600,  # the same for a checkpoint restore or save, the final model save (0 = off)

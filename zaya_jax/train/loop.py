@@ -13,7 +13,7 @@ own devices: each reads the data lanes of the rows its devices hold, all write t
 every checkpoint and of the final model through Orbax, and all stop at the same step on SIGTERM.
 Only process 0 speaks: the banner, the progress bar, metrics.jsonl and TensorBoard.
 
-Faults (README: Surviving faults): a hang watchdog (`train/watchdog.py`) ends a process that
+Faults (docs/faults.md): a hang watchdog (`train/watchdog.py`) ends a process that
 makes no progress; bad steps are skipped in the compiled step and a streak of them rolls the
 run back or stops it (`train/bad_step_policy.py`); `fault.drill` injects faults on purpose
 (`drills.py`). Everything that takes time is an event in `WORKDIR/events.jsonl`, and process 0
