@@ -1,5 +1,7 @@
-"""Layers point one way: cli → train → parallel → model → kernels. A module imports only its own
-layer and those after it (the model never imports a schedule; the kernels never import the model)."""
+"""Layers point one way. The spine is cli → train → parallel → model → kernels; every other package
+and top-level module of `zaya_jax` has its place in `LAYERS` too. A module imports only its own
+layer and those after it (the model never imports a schedule; the kernels never import the model;
+nothing below the CLI imports it), and a new package must be given a place here."""
 
 import ast
 import os
@@ -7,14 +9,33 @@ import os
 import pytest
 
 ROOT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "zaya_jax")
-LAYERS = ("cli", "train", "parallel", "model", "kernels")
+# Top to bottom; the units of one layer may import each other.
+LAYERS = (
+    ("__main__", "cli"),
+    ("bench",),
+    ("explore",),
+    ("cluster",),
+    ("train",),
+    ("experiment",),
+    ("api", "checkpoint"),
+    ("parallel", "data"),
+    ("model",),
+    ("config", "cpu_host"),
+    ("kernels",),
+    ("hardware", "jax_compat", "drills", "trees"),
+    ("errors",),
+    ("exit_codes",),
+)
+LEVEL = {unit: level for level, units in enumerate(LAYERS) for unit in units}
+PACKAGE_ROOT = "__init__"  # `zaya_jax` itself: the public surface, above every layer
 
 
-def _layer(module: str) -> int | None:
+def _unit(module: str) -> str | None:
     parts = module.split(".")
     if parts[0] != "zaya_jax" or len(parts) < 2:
         return None
-    return LAYERS.index(parts[1]) if parts[1] in LAYERS else None
+    name = parts[1]
+    return name if os.path.isdir(os.path.join(ROOT, name)) or os.path.isfile(os.path.join(ROOT, name + ".py")) else None
 
 
 def _imports(path: str) -> list[str]:
@@ -28,21 +49,32 @@ def _imports(path: str) -> list[str]:
 
 
 def _modules():
-    for layer in LAYERS:
-        path = os.path.join(ROOT, layer + ".py")
-        files = [path] if os.path.isfile(path) else [
-            os.path.join(d, f) for d, _, fs in os.walk(os.path.join(ROOT, layer)) for f in fs if f.endswith(".py")]
-        yield from ((layer, f) for f in sorted(files))
+    for folder, _, files in os.walk(ROOT):
+        for name in sorted(files):
+            if name.endswith(".py"):
+                path = os.path.join(folder, name)
+                yield os.path.relpath(path, ROOT).split(os.sep)[0].removesuffix(".py"), path
 
 
-@pytest.mark.parametrize("layer, path", list(_modules()), ids=lambda x: os.path.relpath(x, ROOT) if "/" in x else x)
-def test_no_module_imports_a_layer_above_its_own(layer, path):
-    own = LAYERS.index(layer)
-    upward = sorted({name for name in _imports(path) if _layer(name) is not None and _layer(name) < own})
-    assert not upward, f"{os.path.relpath(path, ROOT)} ({layer}) imports {upward}"
+MODULES = sorted(_modules())
+
+
+def test_every_unit_has_a_layer():
+    units = {unit for unit, _ in MODULES} - {PACKAGE_ROOT}
+    assert units <= set(LEVEL), f"give these a place in LAYERS: {sorted(units - set(LEVEL))}"
+
+
+@pytest.mark.parametrize("unit, path", [m for m in MODULES if m[0] != PACKAGE_ROOT],
+                         ids=lambda x: os.path.relpath(x, ROOT) if os.sep in x else x)
+def test_no_module_imports_a_layer_above_its_own(unit, path):
+    own = LEVEL[unit]
+    upward = sorted({name for name in _imports(path)
+                     if _unit(name) is not None and LEVEL.get(_unit(name), own) < own})
+    assert not upward, f"{os.path.relpath(path, ROOT)} ({unit}) imports {upward}"
 
 
 def test_the_check_sees_an_upward_import(tmp_path):
     bad = tmp_path / "bad.py"
-    bad.write_text("from zaya_jax.parallel import attention_layout\nimport zaya_jax.cli\n")
-    assert {_layer(name) for name in _imports(str(bad))} >= {LAYERS.index("parallel"), LAYERS.index("cli")}
+    bad.write_text("from zaya_jax.parallel import attention_layout\nimport zaya_jax.cli\nfrom zaya_jax import config\n")
+    assert {_unit(name) for name in _imports(str(bad))} >= {"parallel", "cli", "config"}
+    assert LEVEL["parallel"] < LEVEL["model"] < LEVEL["config"] < LEVEL["kernels"]

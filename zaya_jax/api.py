@@ -19,7 +19,8 @@ def load(path: str, compute_dtype: str = "float32", *, attention_kernel: str = "
     """
     from zaya_jax.checkpoint import convert, orbax_store
     from zaya_jax.checkpoint import safetensors_io as st
-    from zaya_jax.config import KERNEL_FIELDS, read_hf_config
+    from zaya_jax.config import read_hf_config
+    from zaya_jax.kernels.registry import KERNEL_FIELDS
     from zaya_jax.kernels import registry, xla_flags
     from zaya_jax.model.state import build_model, expected_shapes
 

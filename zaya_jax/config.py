@@ -13,14 +13,12 @@ import os
 from typing import Any
 
 from zaya_jax.errors import ZayaError
-from zaya_jax.kernels.registry import check_name as check_kernel_name
+from zaya_jax.kernels.registry import KERNEL_FIELDS, check_name as check_kernel_name
 
 COMPUTE_DTYPES = ("float32", "bfloat16")
 # Fields that choose how the model is computed, not what it is: they are not in HF's config,
 # and a checkpoint may be resumed with different values.
 COMPUTE_FIELDS = ("compute_dtype", "attention_kernel", "moe_kernel", "norm_kernel", "linear_kernel")
-KERNEL_FIELDS = {"attention_kernel": "attention", "moe_kernel": "grouped_matmul", "norm_kernel": "rms_norm",
-                 "linear_kernel": "linear_attention"}
 # Not in HF either, but what the model is: hybrid layers (HF's ZAYA has CCA layers only).
 HYBRID_FIELDS = ("layer_pattern", "linear_feature_map", "linear_decay")
 LAYER_KINDS = {"C": "CCA", "L": "linear attention"}

@@ -12,11 +12,11 @@ from typing import Any
 
 import ml_collections
 
-from zaya_jax.config import KERNEL_FIELDS, ModelConfig
+from zaya_jax.config import ModelConfig
 from zaya_jax.data.mixture import parse_mixture
 from zaya_jax.errors import ZayaError
 from zaya_jax.kernels import xla_flags
-from zaya_jax.kernels.registry import resolve as resolve_kernel
+from zaya_jax.kernels.registry import KERNEL_FIELDS, resolve as resolve_kernel
 from zaya_jax.experiment.schema import BALANCERS, REMAT_POLICIES
 from zaya_jax.parallel.axes import MESH_AXES
 

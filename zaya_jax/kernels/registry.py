@@ -30,6 +30,10 @@ import jax
 from zaya_jax.errors import ZayaError
 
 KERNELS = ("attention", "grouped_matmul", "rms_norm", "linear_attention")
+# The model config field that picks each kernel's backend (`ModelConfig.moe_kernel = "cudnn"`, ...).
+KERNEL_FIELDS = {"attention_kernel": "attention", "moe_kernel": "grouped_matmul", "norm_kernel": "rms_norm",
+                 "linear_kernel": "linear_attention"}
+
 BACKENDS: dict[str, tuple[str, ...]] = {
     "attention": ("reference", "xla", "pallas", "cudnn"),
     "grouped_matmul": ("reference", "xla", "tiled", "pallas", "cudnn", "hipblaslt"),

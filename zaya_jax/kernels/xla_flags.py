@@ -14,9 +14,8 @@ import os
 from typing import Mapping
 
 from zaya_jax import jax_compat
-from zaya_jax.config import KERNEL_FIELDS
 from zaya_jax.errors import ZayaError
-from zaya_jax.kernels.registry import XLA_FLAGS
+from zaya_jax.kernels.registry import KERNEL_FIELDS, XLA_FLAGS
 
 
 def backends_started() -> bool:

@@ -31,9 +31,8 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from zaya_jax.errors import ZayaError
-from zaya_jax.config import KERNEL_FIELDS
 from zaya_jax.experiment import Experiment, load_experiment
-from zaya_jax.kernels.registry import device_target, resolve, targeting
+from zaya_jax.kernels.registry import KERNEL_FIELDS, device_target, resolve, targeting
 from zaya_jax.parallel.mesh import mesh_for
 from zaya_jax.parallel import zigzag
 from zaya_jax.parallel.axes import SEQUENCE_AXES
