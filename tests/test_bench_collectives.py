@@ -35,7 +35,7 @@ def bench(tmp_path, *flags, topology=None):
     """Run the command in-process with a chosen topology; return the records it wrote."""
     out = tmp_path / "c.json"
     args = build_parser().parse_args(["bench", "collectives", *flags, "--out", str(out)])
-    assert command.run(args, [], devices=None, topology=topology) == 0
+    assert command.bench_command(args, [], devices=None, topology=topology) == 0
     return json.loads(out.read_text())
 
 
@@ -151,4 +151,4 @@ def test_unwritable_out_fails_before_measuring(tmp_path, capsys, where, words):
 def test_one_device_has_nothing_to_measure(tmp_path):
     args = build_parser().parse_args(["bench", "collectives", "--out", str(tmp_path / "c.json")])
     with pytest.raises(ZayaError, match="nothing to measure"):
-        command.run(args, [], devices=jax.devices()[:1])
+        command.bench_command(args, [], devices=jax.devices()[:1])

@@ -39,7 +39,7 @@ def _launch(tmp_path, monkeypatch, plan, *flags):
     args, extra = build_parser().parse_known_args(
         ["launch", "-n", "2", "--cpu-devices", "1", "--grace-s", "1", "--restart-backoff-s", "0.1", *flags,
          "--", "train"])
-    code = launcher.run(args, extra)
+    code = launcher.launch(args, extra)
     attempts = [json.loads(line) for line in log.read_text().splitlines()]
     return code, attempts
 

@@ -10,7 +10,6 @@ import time
 from zaya_jax.errors import ZayaError, raised_by_every_process
 
 
-
 def _process_started_at() -> float:
     """Wall time this process started (Linux: from /proc, before the interpreter and imports ran);
     elsewhere, now. The startup span of the event log begins here."""
@@ -23,9 +22,6 @@ def _process_started_at() -> float:
         return started if abs(started - time.time()) < 3600 else time.time()
     except (OSError, ValueError, IndexError, StopIteration):
         return time.time()
-
-
-STARTED_AT = _process_started_at()
 
 
 def _size(text: str) -> int:
@@ -134,7 +130,7 @@ def _train(args: argparse.Namespace, extra: list[str]) -> int:
     from zaya_jax.train.events import Attempt
     from zaya_jax.train.loop import train
 
-    attempt = Attempt.from_environ(os.environ, STARTED_AT)
+    attempt = Attempt.from_environ(os.environ, _process_started_at())
     values, source = load_values(args.config, extra)
     cpu_host.prepare(values["train.cpu_devices"])  # before JAX's CPU client starts its threads
     topology = startup.start(startup.settings_from(
@@ -166,48 +162,55 @@ def _report(args: argparse.Namespace, extra: list[str]) -> int:
     return 0
 
 
-def run(args: argparse.Namespace, extra: list[str]) -> int:
-    if args.command == "mesh":
-        from zaya_jax.explore.command import run as run_mesh
+def _mesh(args: argparse.Namespace, extra: list[str]) -> int:
+    from zaya_jax.explore.command import mesh_command
 
-        return run_mesh(args, extra)
-    if args.command == "bench":
-        from zaya_jax.bench.command import run as run_bench
+    return mesh_command(args, extra)
 
-        from zaya_jax.cluster import startup
 
-        topology = startup.start(startup.settings_from(args))  # under zaya launch / SLURM: every process measures
-        return run_bench(args, extra, devices=None, topology=topology)
-    if args.command == "template":
-        from zaya_jax.cluster.template_command import run as run_template
+def _bench(args: argparse.Namespace, extra: list[str]) -> int:
+    from zaya_jax.bench.command import bench_command
+    from zaya_jax.cluster import startup
 
-        return run_template(args, extra)
-    if args.command == "train":
-        return _train(args, extra)
-    if args.command == "report":
-        return _report(args, extra)
-    if args.command == "launch":
-        from zaya_jax.cluster.launcher import run as run_launch
+    topology = startup.start(startup.settings_from(args))  # under zaya launch / SLURM: every process measures
+    return bench_command(args, extra, devices=None, topology=topology)
 
-        return run_launch(args, extra, started_at=STARTED_AT)
+
+def _template(args: argparse.Namespace, extra: list[str]) -> int:
+    from zaya_jax.cluster.template_command import template_command
+
+    return template_command(args, extra)
+
+
+def _launch(args: argparse.Namespace, extra: list[str]) -> int:
+    from zaya_jax.cluster.launcher import launch
+
+    return launch(args, extra, started_at=_process_started_at())
+
+
+def _convert(args: argparse.Namespace, extra: list[str]) -> int:
     if extra:
         raise ZayaError(f"unrecognized arguments: {' '.join(extra)}")
-    if args.command == "convert":
-        from zaya_jax.checkpoint import convert
+    from zaya_jax.checkpoint import convert
 
-        if args.direction == "from-hf":
-            cfg = convert.from_hf(args.hf, args.out, progress=not args.quiet)
-            print(f"wrote {args.out}: ZAYA model, {cfg.num_hidden_layers} layers, hidden {cfg.hidden_size}")
-        else:
-            convert.to_hf(args.ckpt, args.out, args.dtype, args.max_shard_size, progress=not args.quiet)
-            print(f"wrote {args.out} ({args.dtype}); load it with transformers.AutoModelForCausalLM.from_pretrained")
+    if args.direction == "from-hf":
+        cfg = convert.from_hf(args.hf, args.out, progress=not args.quiet)
+        print(f"wrote {args.out}: ZAYA model, {cfg.num_hidden_layers} layers, hidden {cfg.hidden_size}")
+    else:
+        convert.to_hf(args.ckpt, args.out, args.dtype, args.max_shard_size, progress=not args.quiet)
+        print(f"wrote {args.out} ({args.dtype}); load it with transformers.AutoModelForCausalLM.from_pretrained")
     return 0
+
+
+# Each subcommand of build_parser(): (parsed args, arguments it did not know) -> exit status.
+COMMANDS = {"train": _train, "report": _report, "launch": _launch, "mesh": _mesh, "bench": _bench,
+            "template": _template, "convert": _convert}
 
 
 def main(argv: list[str] | None = None) -> int:
     args, extra = build_parser().parse_known_args(argv)
     try:
-        return run(args, extra)
+        return COMMANDS[args.command](args, extra)
     except ZayaError as e:
         print(f"zaya: error: {e}", file=sys.stderr)
         return _failed(e.exit_code, together=e.every_process)

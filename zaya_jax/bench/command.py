@@ -161,7 +161,7 @@ def row(r: dict) -> str:
                        f"{r['busbw_gb_per_s']:.3g}"])
 
 
-def run(args, extra: list[str], devices=None, topology=None) -> int:
+def bench_command(args, extra: list[str], devices=None, topology=None) -> int:
     """`devices` default to jax.devices(), `topology` to every process on one node."""
     if extra:
         raise ZayaError(f"unrecognized arguments: {' '.join(extra)}")

@@ -75,7 +75,7 @@ def add_parser(jobs) -> None:
                    help="the zaya command each process runs, e.g. -- train --config=... --workdir=...")
 
 
-def run(args, extra: list[str], started_at: float | None = None) -> int:
+def launch(args, extra: list[str], started_at: float | None = None) -> int:
     """Start (and with --max-restarts, supervise) the processes; `started_at`: this launcher's own
     start, which is when the job's first attempt began."""
     command = _command(args, extra)

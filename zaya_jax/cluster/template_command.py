@@ -48,7 +48,7 @@ def _values(args) -> dict:
     return values
 
 
-def run(args, extra: list[str]) -> int:
+def template_command(args, extra: list[str]) -> int:
     if extra:
         raise ZayaError(f"unrecognized arguments: {' '.join(extra)}")
     from zaya_jax.cluster.templates import render

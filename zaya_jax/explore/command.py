@@ -101,7 +101,7 @@ def _fake_devices(n: int) -> None:
         jax.config.update("jax_num_cpu_devices", max(n, getattr(jax.config, "jax_num_cpu_devices", 1)))
 
 
-def run(args, overrides: list[str]) -> int:
+def mesh_command(args, overrides: list[str]) -> int:
     _check_numbers(args)
     from zaya_jax import hardware
     from zaya_jax.experiment import load_experiment
