@@ -22,8 +22,8 @@ batches, the same recipe, compared step by step.
    ZAYA1's bias balancer written from its equations (`TorchBalancer`). Torch's Muon differs
    from ours in its Newton–Schulz in one way: bfloat16 (ours fp32); a further torch run
    (`VARIANTS`, `--variants`) patches it to fp32, to measure what that costs. (Both normalise the
-   input by max(‖x‖, eps); ours added eps until this comparison showed that it shrinks the router's
-   small updates by up to 4%.)
+   input by max(‖x‖, eps); adding eps instead, Keller Jordan's form, shrinks the router's small
+   updates by up to 4%.)
 5. **Side by side**: relative loss and grad-norm differences per step, per-layer expert load on
    both sides; a table (every 5th step and the worst differences), all numbers as JSON, and a plot
    of the loss curves.
@@ -176,8 +176,8 @@ class TorchBalancer:
 def zeropower(dtype: str, normalise: str):
     """torch.optim._muon._zeropower_via_newtonschulz with its two differences from ours made
     choices: the dtype of the iterations (torch: "bfloat16"; ours "float32") and how the input
-    is normalised (torch and ours: x / max(‖x‖, eps), "clamp"; Keller Jordan's reference, and ours
-    before: x / (‖x‖ + eps), "add"). Everything else is torch's code."""
+    is normalised (torch and ours: x / max(‖x‖, eps), "clamp"; Keller Jordan's reference:
+    x / (‖x‖ + eps), "add"). Everything else is torch's code."""
     import torch
 
     def ns(grad, ns_coefficients, ns_steps, eps):

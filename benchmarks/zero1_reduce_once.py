@@ -1,11 +1,11 @@
-"""Before / after issue 19 (gradients reduced once per step, ZeRO-1, distributed Newton–Schulz), in one run.
+"""Before / after reducing gradients once per step, ZeRO-1 and distributed Newton–Schulz, in one run.
 
 For the ZAYA1-base phase-1 configuration (`experiments/zaya1_base_phase1.py`, 4 micro-batches):
 XLA's per-device bytes of the train step compiled for one 8-GPU node (8 fake CPU devices, abstract
 shapes) under `data 8` and `fsdp 8`, and the explorer's step time on one node (8 MI300X) and on
 ZAYA1's 128 x 8 MI300X for Zyphra's layout (pure data parallel) and each version's best layout.
-"Before" is the code at `--before` (default: the commit before issue 19), checked out into a
-temporary git worktree and run in a child process; "after" is this checkout.
+"Before" is the code at `--before` (default `BEFORE`, the last revision without those three changes),
+checked out into a temporary git worktree and run in a child process; "after" is this checkout.
 
     python benchmarks/zero1_reduce_once.py --out=benchmarks/zero1_reduce_once.json
 """
@@ -20,7 +20,7 @@ import sys
 import tempfile
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-BEFORE = "4b31d1f"  # the last commit before issue 19's changes
+BEFORE = "4b31d1f"  # the last revision without once-per-step reduction, ZeRO-1 and distributed Newton–Schulz
 CONFIG = "experiments/zaya1_base_phase1.py"
 NODE = ["--config.train.global_batch_size=32"]  # one node: 4 micro-batches of 8 sequences
 LAYOUTS = {"data 8": {"data": 8, "fsdp": 1}, "fsdp 8": {"data": 1, "fsdp": 8}}

@@ -1,4 +1,4 @@
-"""ZAYA1-base mid-training at 32K context, RoPE θ 1e6 (reference/zaya1.md §4), continuing phase 1.
+"""ZAYA1-base mid-training at 32K context, RoPE θ 1e6 (the ZAYA1 technical report), continuing phase 1.
 
 Phase 1's experiment (`zaya1_base_phase1.py`: model, optimizer, layout) with context 32,768
 tokens, RoPE θ 1e6 and the same 16.8M-token global batch (512 sequences). Not published, so

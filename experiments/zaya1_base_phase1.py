@@ -1,4 +1,4 @@
-"""ZAYA1-base, pretraining phase 1: the published recipe at full size (reference/zaya1.md §4).
+"""ZAYA1-base, pretraining phase 1: the published recipe at full size (the ZAYA1 technical report).
 
 8.8B parameters (760M active), 4K context, RoPE θ 1e4, global batch 4096 × 4096 tokens
 (16.8M), Muon + AdamW with a cosine 6e-4 → 2e-4, bf16 compute with the fp32 islands.

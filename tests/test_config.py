@@ -71,7 +71,8 @@ def test_broken_config_json(tmp_path):
 
 
 def test_model_parameter_count_matches_reference_accounting():
-    """8.840 B total parameters for ZAYA1-base (zaya1.md §1.7), counted from abstract shapes."""
+    """8.840 B total parameters for ZAYA1-base (the published 8.84B, tied embedding included), counted
+    from abstract shapes."""
     import numpy as np
 
     from zaya_jax.model.state import expected_shapes

@@ -1,7 +1,7 @@
 """The GPU lowering gate: every Pallas kernel and the bf16 train step of every layout family lower
 for CUDA and ROCm on this CPU machine (Pallas → Triton), with exactly the Triton calls they should.
 
-The CPU interpreter accepts programs Triton rejects (the RMSNorm kernel's `slice` did), so these
+The CPU interpreter accepts programs Triton rejects (a `slice` of a 2-D mask, for one), so these
 tests lower with the GPU's kernel target: Pallas compiled, that platform's tuning row.
 """
 
@@ -49,7 +49,7 @@ def test_kernels_are_lowered_with_the_platform_tuning_row(platform):
 
 
 def _sliced_mask_kernel(x_ref, o_ref):
-    """The RMSNorm kernel's old mistake: a row cut from a 2-D mask is a `slice`, which Triton lacks."""
+    """A row cut from a 2-D mask is a `slice`, which Triton lacks (an easy slip in a masked RMSNorm)."""
     mask = jnp.arange(8)[:, None] < jnp.arange(16)[None, :]
     o_ref[...] = jnp.where(mask[1], x_ref[...], 0.0)
 

@@ -45,8 +45,8 @@ SEQ_LEN = 24
 DOC_LENGTHS = (5, 17, 3, 30, 9, 11, 2)  # 30 > SEQ_LEN: a document continues into the next row
 # fp32 on both sides, but different summation orders (grouped vs per-expert matmuls, chunked vs
 # full softmax, scans, torch's per-piece sums): per tensor, max|Δ| measures ≤ 2e-6 of the tensor's
-# largest entry. 1e-4 is 50× that, and still 10× below a gradient scaled by 1.001 (caught when
-# planted), let alone a wrong mask or routing detail (percents). Relative to the largest entry,
+# largest entry. 1e-4 is 50× that, and still 10× below a gradient scaled by 1.001 (the test fails
+# if one is planted), let alone a wrong mask or routing detail (percents). Relative to the largest entry,
 # not elementwise: entries near zero carry only absolute rounding.
 GRAD_TOL = 1e-4
 LOSS_TOL = 1e-5  # the mean token loss agrees to ~2e-7 relative

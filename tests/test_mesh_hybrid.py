@@ -1,7 +1,8 @@
 """`zaya mesh` on hybrid models (`model.layer_pattern`): a linear-attention layer priced as it runs
 (`parallel/linear_layout.py`, `parallel/lasp2.py`) beside a CCA layer — its weights counted once per
 linear layer, its FLOPs from `train/flops.py`, its LASP-2 state exchange in place of CCA's K/V
-gather, its activations — and an all-CCA model priced exactly as before hybrid pricing; one
+gather, its activations — and an all-CCA model priced to the byte as pinned numbers say (pricing
+linear layers must not move a model that has none); one
 layout compiled against XLA."""
 
 import math
@@ -54,7 +55,8 @@ def test_stacked_weights_count_the_layers_of_their_kind_as_the_model_stores_them
 
 
 def test_an_all_cca_pattern_prices_exactly_as_before_hybrid_pricing():
-    # (total bytes, hardware FLOPs, step seconds) per device, from the explorer at 99647d2.
+    # (total bytes, hardware FLOPs, step seconds) per device, pinned from the all-CCA explorer: pricing
+    # linear-attention layers must leave a model without them exactly where it was.
     before = [
         ("none", mesh(data=8), 4105832.0, 58875904.0, 4.3898583669271964e-05),
         ("none", mesh(tsp=8), 4848840.0, 58875904.0, 0.0004449143903723419),

@@ -88,7 +88,7 @@ def test_matrices_move_to_the_spread_by_exchange_never_by_gathering_a_whole_weig
     """A stacked expert weight [L, E, H, I] split on H or I reaches the spread ([L·E] matrices over
     the devices) and comes back by all-to-all; split on L and E (ZeRO-1's data, expert) its
     matrices are already whole. No all-gather in the update rebuilds a whole expert weight (GSPMD
-    did, unasked, before the matrices were pinned where their state lives)."""
+    does, unasked, unless the matrices are pinned where their state lives)."""
     program, compiled = _compiled_update(4, **mesh)
     hlo = compiled.as_text()
     whole = math.prod(program.modeldef.param_shapes["layers/moe/experts/gate"])

@@ -110,5 +110,5 @@ def test_bfloat16_policy_tracks_float32():
     # and experts' outputs and the attention weights to bf16: ~8 roundings a block, 16 on this 2-layer
     # model's deepest path. First-order relative errors add, like a random walk for independent
     # roundings: ~sqrt(16)·u = 4u of the logit scale (16u only if every rounding lined up; 10% of the
-    # scale, the old bound, is 26u). Measured: 0.7u.
+    # scale, a far looser bound, is 26u). Measured: 0.7u.
     assert err <= 4 * u * scale, f"max |Δlogit| {err:.3g} > 4·2^-8 × logit scale {scale:.3g}"

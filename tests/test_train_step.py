@@ -73,8 +73,8 @@ def single():
 # Expert-parallel training is checked against the same losses by the resharded-resume tests
 # (tests/test_resume.py: fsdp4 x expert2 and expert2 x fsdp2), and its gradients in test_layouts.py.
 # data x fsdp x tensor, two micro-batches: the data replicas' loop (parallel/replicas.py, which
-# runs for several micro-batches only) with GSPMD axes inside it, where XLA's partitioner aborted
-# on the embedding gather until the table is gathered first.
+# runs for several micro-batches only) with GSPMD axes inside it, where XLA's partitioner aborts
+# on the embedding gather unless the table is gathered first.
 @pytest.mark.parametrize("mesh, accum", [(dict(data=8), 1), (dict(fsdp=8), 1), (dict(tsp=8), 1),
                                          (dict(sequence=4, data=2), 1), (dict(tensor=2, sequence=4), 1),
                                          (dict(data=2, fsdp=2, tensor=2), 2)],
@@ -190,7 +190,7 @@ def test_pallas_kernels_run_per_batch_shard_and_train_like_one_device(single):
 
 
 # bf16 compute (fp32 master weights and islands) under every layout family: the steps compile on
-# XLA's CPU compiler (which aborted on them before the schedules' shard_maps were made manual over
+# XLA's CPU compiler (which aborts on them unless the schedules' shard_maps are manual over
 # every mesh axis, see parallel/batch_map.layout_map) and the losses stay within bf16 rounding of
 # one device's. fsdp alone runs the experts' schedule only, TSP both schedules; the two mixes add
 # expert, tensor, sequence and data. One layer, two steps without warmup: the second loss is

@@ -4,7 +4,7 @@ Owns `HardwareProfile` and `PROFILES`. Everything that needs a hardware number (
 MFU, the mesh-layout explorer's compute and link model) reads it from here, so a corrected
 datasheet figure changes in exactly one place. Per device (one GPU), not per node.
 
-Peaks and memory (summarised in `shared/reference/mesh_explorer.md` §2 and §5.5):
+Peaks and memory (the vendors' published figures):
 * MI300X: AMD Instinct MI300X datasheet: 1307.4 TFLOP/s dense BF16 (2.1 GHz x 1216 matrix cores
   x 512 FLOP/clk), 192 GB HBM3, 5.3 TB/s.
 * MI325X: AMD product page: same CDNA3 compute as MI300X, 256 GB HBM3E, 6.0 TB/s.

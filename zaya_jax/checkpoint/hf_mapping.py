@@ -2,7 +2,7 @@
 
 Each rule names HF tensors, our paths, and a layout transform that works in both directions
 from the two sides' shapes alone. Rules come in groups (`top`, `layer.{i}`) so converters can
-stream one group at a time. HF shapes follow `shared/reference/zaya1.md` §2.
+stream one group at a time. HF shapes are those of transformers' `ZayaForCausalLM` state dict.
 """
 
 from __future__ import annotations

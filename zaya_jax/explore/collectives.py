@@ -1,6 +1,6 @@
 """What one collective costs on the links it crosses: α + bytes / bus bandwidth, per tier.
 
-Bus bandwidth (nccl-tests / rccl-tests convention, `reference/mesh_explorer.md` §1.7): a
+Bus bandwidth (the nccl-tests / rccl-tests convention; docs/mesh_explorer.md): a
 collective over n devices of S bytes (the gathered / reduced array) takes
 `t = α + S·(n−1)/n / busbw` for all-gather, reduce-scatter and all-to-all, twice that for
 all-reduce. An axis that spans nodes runs hierarchically: the intra-node phase over the node's

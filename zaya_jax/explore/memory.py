@@ -2,7 +2,7 @@
 
 Parameters, gradients and optimizer state come from `inventory` (exact sizes). Activations are
 counted tensor by tensor for one block of each layer kind — CCA + MoE, or in a hybrid model
-linear attention + MoE (Korthikanti-style, `reference/mesh_explorer.md` §4.1, with ZAYA1's own
+linear attention + MoE (Korthikanti-style, as docs/mesh_explorer.md describes, with ZAYA1's own
 widths) — summed over the layers of each kind, then scaled by the remat policy:
 
 * none: every block keeps all its activations for the backward, the inputs of its matmuls

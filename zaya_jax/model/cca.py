@@ -1,4 +1,5 @@
-"""Compressed Convolutional Attention (CCA) as used by ZAYA1 — DESIGN.md §3, zaya1.md §1.3.
+"""Compressed Convolutional Attention (CCA) as used by ZAYA1 (the ZAYA1 technical report; HF's
+`ZayaForCausalLM` is the reference implementation the tests compare against).
 
 Query/key down-projections, two causal convolutions over `[q̃ ‖ k̃]` padded once (so the first
 conv's bias reaches position 0 of the second), q/k mean residuals, fp32 QK L2-norm with a

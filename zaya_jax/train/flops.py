@@ -1,4 +1,4 @@
-"""Analytic model FLOPs per token and MFU, MaxText style (zaya1.md §1.7 and §8).
+"""Analytic model FLOPs per token and MFU, MaxText style.
 
 Owns the FLOP count that MFU is measured against. It is a model count, not a hardware count:
 it ignores recomputation, padding, the router's wasted capacity and elementwise work, so MFU
