@@ -202,14 +202,14 @@ def test_train_step_with_cudnn_experts_lowers_for_cuda_with_no_pallas_grouped_ma
 
 def test_banner_names_the_vendor_gemm_and_its_flag(monkeypatch):
     from zaya_jax.parallel.topology import Topology
-    from zaya_jax.train import loop
+    from zaya_jax.train import console
 
     monkeypatch.setenv("XLA_FLAGS", f"{os.environ.get('XLA_FLAGS', '')} {CUDNN_FLAG}")
     from zaya_jax.train.program import program_for_target
 
     program = program_for_target(TINY, ["--config.model.moe_kernel=cudnn"], "cuda", jax.devices()[:1])
     out = io.StringIO()
-    loop._banner(out, program.exp, program, types.SimpleNamespace(describe=lambda: "docs"), "/w", None, Topology())
+    console.banner(out, program.exp, program, types.SimpleNamespace(describe=lambda: "docs"), "/w", None, Topology())
     line = next(l for l in out.getvalue().splitlines() if l.startswith("  kernels"))
     assert line == (f"  kernels attention pallas, experts cudnn (XLA ragged_dot → cuDNN grouped GEMM; {CUDNN_FLAG}), "
                     "norm pallas")
