@@ -186,7 +186,12 @@ def test_grouped_matmul_forward_and_backward_lower_to_ragged_dot_without_triton(
 
 
 def test_train_step_with_cudnn_experts_lowers_for_cuda_with_no_pallas_grouped_matmul(monkeypatch):
+    from zaya_jax.kernels import gpu_lowering
     from zaya_jax.train.program import program_for_target
+
+    ok, why = gpu_lowering.can_lower("cuda")
+    if not ok:
+        pytest.skip(why)
 
     # This process's JAX has started, so the flag must already be in XLA_FLAGS (it only names it here).
     monkeypatch.setenv("XLA_FLAGS", f"{os.environ.get('XLA_FLAGS', '')} {CUDNN_FLAG}")
