@@ -35,6 +35,13 @@ def _moved(what: str, detail: str) -> JaxInternalsMoved:
                              "install a jax version pyproject.toml supports")
 
 
+# Each reach: (module, attribute, what it is, for the error when it moved).
+_BACKENDS_STARTED = ("jax._src.xla_bridge", "backends_are_initialized", "the 'backends started' query")
+_JAXLIB_VERSION = ("jax._src.lib", "version", "jaxlib's version tuple")
+_DISTRIBUTED_STATE = ("jax._src.distributed", "global_state", "the distributed runtime's state")
+_CACHE_RESET = ("jax.experimental.compilation_cache.compilation_cache", "reset_cache", "the compilation cache reset")
+
+
 def _private(module: str, attribute: str, what: str):
     import importlib
 
@@ -46,16 +53,16 @@ def _private(module: str, attribute: str, what: str):
 
 def backends_started() -> bool:
     """Whether JAX has started its backends (there is no public query)."""
-    return _private("jax._src.xla_bridge", "backends_are_initialized", "the 'backends started' query")()
+    return _private(*_BACKENDS_STARTED)()
 
 
 def jaxlib_version() -> tuple[int, ...]:
     """The installed jaxlib's version, e.g. (0, 10, 2)."""
-    return tuple(_private("jax._src.lib", "version", "jaxlib's version tuple"))
+    return tuple(_private(*_JAXLIB_VERSION))
 
 
 def _client():
-    state = _private("jax._src.distributed", "global_state", "the distributed runtime's state")
+    state = _private(*_DISTRIBUTED_STATE)
     if not hasattr(state, "client"):
         raise _moved("the distributed runtime's client", "global_state has no 'client'")
     return state.client
@@ -63,7 +70,7 @@ def _client():
 
 def in_distributed_run() -> bool:
     """Whether this process joined a `jax.distributed` job (without importing JAX if nothing has)."""
-    if "jax._src.distributed" not in sys.modules:
+    if _DISTRIBUTED_STATE[0] not in sys.modules:
         return False
     return _client() is not None
 
@@ -95,7 +102,7 @@ def use_orbax_coordination_barriers() -> None:
 
 def reset_compilation_cache() -> None:
     """Forget JAX's choice of persistent cache (made at a process's first compile)."""
-    _private("jax.experimental.compilation_cache.compilation_cache", "reset_cache", "the compilation cache reset")()
+    _private(*_CACHE_RESET)()
 
 
 def reaches() -> dict:
@@ -103,10 +110,9 @@ def reaches() -> dict:
     import jax
 
     return {
-        "backends_started": _private("jax._src.xla_bridge", "backends_are_initialized", "the 'backends started' query"),
+        "backends_started": _private(*_BACKENDS_STARTED),
         "jaxlib_version": jaxlib_version(),
-        "distributed_state": _private("jax._src.distributed", "global_state", "the distributed runtime's state"),
-        "reset_compilation_cache": _private("jax.experimental.compilation_cache.compilation_cache", "reset_cache",
-                                            "the compilation cache reset"),
+        "distributed_state": _private(*_DISTRIBUTED_STATE),
+        "reset_compilation_cache": _private(*_CACHE_RESET),
         "jax": jax.__version__,
     }

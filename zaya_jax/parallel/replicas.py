@@ -6,8 +6,8 @@ accumulation runs in a `shard_map` manual over `data` only. Each replica differe
 rows; the other mesh axes stay with GSPMD and the layer schedules, which see `data` as already
 split and leave it alone (`batch_map.rows_held_whole`). The sums leave the loop unreduced and are
 reduced once: summed over `data` (an all-reduce), or, for a leaf whose optimizer state is split
-over `data` (ZeRO-1, `optim.shard_over_data`), reduce-scattered onto that split. The loss, token
-and expert counts are summed with them.
+over `data` (ZeRO-1, `optim.shard_over_data`), reduce-scattered onto that split. The loss, the token
+count and the balancer's route sums are summed with them.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ AXIS = "data"
 
 
 def reduce_once(accumulate: Callable, scatter: dict[str, int | None]) -> Callable:
-    """`run(params, biases, batches) -> (grads, loss_sum, tokens, counts)`: `accumulate` (the step's
+    """`run(params, biases, batches) -> (grads, loss_sum, tokens, route_sums)`: `accumulate` (the step's
     micro-batch loop, same signature) on each data replica's rows of the [A, b, S] batches. A
     gradient whose path has a dimension in `scatter` comes back split over `data` on it; every
     other result comes back summed. Without a `data` axis to split, `accumulate` itself."""
