@@ -1,6 +1,16 @@
-"""Test setup: CPU only; 8 fake devices for the multi-device tests (set before jax is imported)."""
+"""Test setup: CPU only; 8 fake devices for the multi-device tests (set before jax is imported);
+one persistent compilation cache for the whole test run.
+
+The cache is shared by every pytest-xdist worker and every run a test starts (they inherit the
+environment, and the trainer's default cache is `JAX_COMPILATION_CACHE_DIR` when that is set), so
+a program that several tests compile (the same step resumed, restarted, or trained again under
+another name) is compiled once. It lives for one `pytest` invocation: the process that made it
+removes it at the end.
+"""
 
 import os
+import shutil
+import tempfile
 
 from xla_test_flags import TEST_XLA_FLAGS
 
@@ -11,3 +21,14 @@ if "xla_force_host_platform_device_count" not in flags:
 if TEST_XLA_FLAGS not in flags:
     flags += " " + TEST_XLA_FLAGS
 os.environ["XLA_FLAGS"] = flags.strip()
+
+_CACHE_MADE_HERE = None
+if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+    _CACHE_MADE_HERE = os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="zaya-tests-compile-cache-")
+    # The tests' compiles are short (their XLA flags halve them); most are worth keeping.
+    os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.5")
+
+
+def pytest_unconfigure(config):
+    if _CACHE_MADE_HERE:
+        shutil.rmtree(_CACHE_MADE_HERE, ignore_errors=True)

@@ -18,9 +18,13 @@ QUICK = ["--config.train.steps=2", "--config.train.global_batch_size=8", "--conf
 
 
 @pytest.fixture(autouse=True)
-def cache_off_afterwards(tmp_path):
+def own_cache_then_the_sessions(tmp_path, monkeypatch):
+    """These runs keep their own caches (not the test session's, see conftest); afterwards this
+    worker goes back to the session's, so later tests do not write into tmp_path."""
+    monkeypatch.delenv(compile_cache.ENV, raising=False)
     yield
-    compile_cache.use("off", str(tmp_path))  # later tests in this worker must not write into tmp_path
+    monkeypatch.undo()
+    compile_cache.use("workdir", str(tmp_path / "unused"))
 
 
 def _train(workdir, *overrides):
@@ -49,6 +53,15 @@ def test_the_cache_can_be_shared_or_turned_off(tmp_path):
     summary, text = _train(tmp_path / "c", "--config.train.compile_cache=off")
     assert not summary["compile_cache_hit"] and not (tmp_path / "c" / "compile_cache").exists()
     assert "compiled the train step in" in text
+
+
+def test_jax_compilation_cache_dir_takes_the_place_of_the_workdirs_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv(compile_cache.ENV, str(tmp_path / "jax_env_cache"))
+    summary, text = _train(tmp_path / "run")
+    assert f"(cached in {tmp_path / 'jax_env_cache'})" in text
+    assert os.listdir(tmp_path / "jax_env_cache") and not (tmp_path / "run" / "compile_cache").exists()
+    assert compile_cache.directory("off", str(tmp_path / "run")) is None  # off stays off
+    assert compile_cache.directory(str(tmp_path / "mine"), "w") == str(tmp_path / "mine")  # a named one stays
 
 
 def test_an_unwritable_cache_directory_is_one_sentence(tmp_path):

@@ -27,7 +27,7 @@ from xla_test_flags import xla_flags
 
 pytestmark = pytest.mark.slow
 
-SHORT = ["--config.train.log_every=1", "--config.train.progress=False", "--config.train.compile_cache=off",
+SHORT = ["--config.train.log_every=1", "--config.train.progress=False",
          "--config.train.seq_len=64", "--config.train.global_batch_size=8", "--config.train.scan_unroll=1",
          "--config.optim.decay_steps=8"]  # the schedule must not depend on train.steps: runs stop and resume
 

@@ -41,7 +41,7 @@ def _train() -> dict:
         loss_vocab_chunk=16384,  # vocabulary chunk of the cross-entropy; [tokens, chunk] logits at a time
         hardware="auto",  # peak-FLOPs profile for MFU: auto | mi300x | mi325x | mi355x | h100 | h200 | cpu
         progress=True,  # console progress bar
-        compile_cache="workdir",  # persistent XLA compilation cache: workdir (WORKDIR/compile_cache) | off | a directory
+        compile_cache="workdir",  # persistent XLA compilation cache: workdir (WORKDIR/compile_cache, or $JAX_COMPILATION_CACHE_DIR when set) | off | a directory
         profile_steps="",  # START:STOP: a jax.profiler trace of steps START..STOP-1 in WORKDIR/profile ("" = off)
         cpu_devices=0,  # CPU runs: split the host into this many XLA devices (the mesh's data axis spans them;
         # each runs its share of the batch on its own core); 0 = JAX's one device. A device count in

@@ -1,8 +1,9 @@
 """The run's persistent XLA compilation cache: where it lives, and whether a compile came from it.
 
 `train.compile_cache` is `workdir` (the default: `WORKDIR/compile_cache`, so a restarted or
-resumed run loads its compiled step instead of compiling it again), `off`, or a directory that
-several runs share. JAX decides at a process's first compile whether it uses a cache, so `use`
+resumed run loads its compiled step instead of compiling it again; or the directory JAX's own
+`JAX_COMPILATION_CACHE_DIR` names, when that is set, so a cache a cluster shares keeps working),
+`off`, or a directory that several runs share. JAX decides at a process's first compile whether it uses a cache, so `use`
 resets JAX's cache state and points it at the run's directory before the run compiles anything.
 `Hits` counts the compiles served from the cache (JAX's cache-hit monitoring event).
 """
@@ -16,12 +17,16 @@ import jax
 from zaya_jax import jax_compat
 from zaya_jax.errors import ZayaError
 
+ENV = "JAX_COMPILATION_CACHE_DIR"  # JAX's own setting; it takes the place of the workdir's cache
+
 
 def directory(setting: str, workdir: str) -> str | None:
     """The cache directory `train.compile_cache` names for this run (None: off)."""
     if setting == "off":
         return None
-    return os.path.join(workdir, "compile_cache") if setting == "workdir" else os.path.abspath(setting)
+    if setting == "workdir":
+        return os.path.abspath(os.environ.get(ENV) or os.path.join(workdir, "compile_cache"))
+    return os.path.abspath(setting)
 
 
 def use(setting: str, workdir: str) -> str | None:
