@@ -6,12 +6,16 @@ environment, and the trainer's default cache is `JAX_COMPILATION_CACHE_DIR` when
 a program that several tests compile (the same step resumed, restarted, or trained again under
 another name) is compiled once. It lives for one `pytest` invocation: the process that made it
 removes it at the end.
+
+The quick tier (`-m "not slow"`) leaves out the tests marked `slow` in their source and those
+listed in `tests/slow_tests.txt` (the measured slowest; `tools/slow_tests.py` makes the list).
 """
 
 import os
 import shutil
 import tempfile
 
+import pytest
 from xla_test_flags import TEST_XLA_FLAGS
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
@@ -32,3 +36,16 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
 def pytest_unconfigure(config):
     if _CACHE_MADE_HERE:
         shutil.rmtree(_CACHE_MADE_HERE, ignore_errors=True)
+
+
+def _listed_slow() -> set[str]:
+    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "slow_tests.txt")
+    with open(path) as f:
+        return {line.strip() for line in f if line.strip() and not line.startswith("#")}
+
+
+def pytest_collection_modifyitems(config, items):
+    slow = _listed_slow()
+    for item in items:
+        if item.nodeid in slow:
+            item.add_marker(pytest.mark.slow)
