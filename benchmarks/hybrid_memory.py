@@ -30,7 +30,7 @@ GIB = 2 ** 30
 def measure(pattern: str, attention: str, length: int) -> dict:
     import jax
 
-    from zaya_jax.explore.validate import memory_report
+    from zaya_jax.explore.against_xla import memory_report
     from zaya_jax.experiment import load_experiment
     from zaya_jax.train.program import build_program
 

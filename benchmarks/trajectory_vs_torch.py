@@ -5,7 +5,7 @@ batches, the same recipe, compared step by step.
    steps, every step logged; its per-step `loss`, `grad_norm`, `lr` and `expert_load` are read from
    `WORKDIR/metrics.jsonl`.
 2. **The same start**: the initial state `zaya train` builds (`Program.init()`: the params and
-   balancing biases of `model_state.init_arrays(cfg, train.seed)`, placed on the run's devices),
+   balancing biases of `flat_model.init_arrays(cfg, train.seed)`, placed on the run's devices),
    exported to a `ZayaForCausalLM` through our HF mapping (`checkpoint/hf_mapping.py`, the
    tables `zaya convert to-hf` uses), balancing biases included.
 3. **The same batches**: the data pipeline is deterministic from the config (`train/loop.py::

@@ -36,7 +36,7 @@ from zaya_jax.experiment import load_experiment
 from zaya_jax.explore.collectives import Network
 from zaya_jax.explore.explorer import explore
 from zaya_jax.explore.workload import Run
-from zaya_jax.explore.validate import memory_report
+from zaya_jax.explore.against_xla import memory_report
 from zaya_jax.train.program import build_program
 config, node, layouts = sys.argv[1], json.loads(sys.argv[2]), json.loads(sys.argv[3])
 out = {"xla": {}, "explorer": {}}

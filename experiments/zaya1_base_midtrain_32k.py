@@ -3,7 +3,7 @@
 Phase 1's experiment (`zaya1_base_phase1.py`: model, optimizer, layout) with context 32,768
 tokens, RoPE θ 1e6 and the same 16.8M-token global batch (512 sequences). Not published, so
 chosen here: the length (~1T tokens: 59,605 steps), the learning rate (cosine 2e-4 → 2e-5 after
-a short warmup). Layout: as ZAYA1 ran this phase, all-gather-KV context parallelism over two
+a short warmup). Schedule: as ZAYA1 ran this phase, all-gather-KV context parallelism over two
 devices (mesh.sequence = 2, which `zaya mesh` places across a node pair so FSDP keeps the node):
 512 sequences then fill 1,024 GPUs as data 64 x sequence 2 x fsdp 8.
 """

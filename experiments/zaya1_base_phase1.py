@@ -19,7 +19,7 @@ Point `data.source` and `data.tokenizer` at your corpus and the ZAYA1 tokenizer.
     zaya train --config=experiments/zaya1_base_phase1.py --workdir=/ckpt/zaya1_p1 \\
         --config.data.source=/data/corpus --config.data.tokenizer=/models/ZAYA1-base
 
-Layout: FSDP over the 8 GPUs of a node, data parallel across nodes, 4 micro-batches so each
+Schedule: FSDP over the 8 GPUs of a node, data parallel across nodes, 4 micro-batches so each
 device holds one 4K sequence at a time (1,024 GPUs as in the ZAYA1 run). Compile it for one
 node without a GPU: `python tools/compile_step.py --config=experiments/zaya1_base_phase1.py`.
 """

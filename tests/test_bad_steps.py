@@ -11,37 +11,37 @@ import pytest
 from zaya_jax.drills import Drills, parse
 from zaya_jax.errors import ZayaError
 from zaya_jax.experiment import load_experiment
-from zaya_jax.train import bad_steps
+from zaya_jax.train import step_guard
 from zaya_jax.train.program import build_program
 
 TINY = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "experiments", "tiny_cpu.py")
-SETTINGS = bad_steps.GuardSettings(sigmas=3.0, window=4)
+SETTINGS = step_guard.GuardSettings(sigmas=3.0, window=4)
 
 
 def _guard_after(values, settings=SETTINGS):
-    guard = bad_steps.init(settings)
+    guard = step_guard.init(settings)
     for loss, norm in values:
-        bad = bad_steps.is_bad(guard, jnp.float32(loss), jnp.float32(norm), settings)
-        guard = bad_steps.record(guard, jnp.float32(loss), jnp.float32(norm), bad)
+        bad = step_guard.is_bad(guard, jnp.float32(loss), jnp.float32(norm), settings)
+        guard = step_guard.record(guard, jnp.float32(loss), jnp.float32(norm), bad)
     return guard
 
 
 @pytest.mark.parametrize("loss,norm", [(np.nan, 1.0), (1.0, np.inf), (-np.inf, 1.0)])
 def test_a_non_finite_loss_or_grad_norm_is_bad_from_the_first_step(loss, norm):
-    guard = bad_steps.init(SETTINGS)
-    assert bool(bad_steps.is_bad(guard, jnp.float32(loss), jnp.float32(norm), SETTINGS))
+    guard = step_guard.init(SETTINGS)
+    assert bool(step_guard.is_bad(guard, jnp.float32(loss), jnp.float32(norm), SETTINGS))
 
 
 def test_a_spike_is_bad_only_once_the_window_is_full_and_only_upwards():
     calm = [(2.0, 1.0), (2.1, 1.1), (1.9, 0.9), (2.0, 1.0)]
     guard = _guard_after(calm[:3])
-    assert not bool(bad_steps.is_bad(guard, jnp.float32(50.0), jnp.float32(1.0), SETTINGS))  # 3 of 4 seen
+    assert not bool(step_guard.is_bad(guard, jnp.float32(50.0), jnp.float32(1.0), SETTINGS))  # 3 of 4 seen
     guard = _guard_after(calm)
-    judge = lambda loss, norm: bool(bad_steps.is_bad(guard, jnp.float32(loss), jnp.float32(norm), SETTINGS))
+    judge = lambda loss, norm: bool(step_guard.is_bad(guard, jnp.float32(loss), jnp.float32(norm), SETTINGS))
     assert judge(2.5, 1.0) and judge(2.0, 1.5)  # mean + 3 std is about 2.21 (loss) and 1.21 (norm)
     assert not judge(2.2, 1.2) and not judge(0.5, 0.1)  # inside the band, or a drop: not a spike
-    off = bad_steps.GuardSettings(sigmas=0.0, window=4)
-    assert not bool(bad_steps.is_bad(guard, jnp.float32(50.0), jnp.float32(50.0), off))
+    off = step_guard.GuardSettings(sigmas=0.0, window=4)
+    assert not bool(step_guard.is_bad(guard, jnp.float32(50.0), jnp.float32(50.0), off))
 
 
 def test_good_steps_fill_the_ring_and_bad_ones_only_count():

@@ -11,7 +11,7 @@ from zaya_jax.config import preset
 from zaya_jax.model.zaya import Zaya
 from zaya_jax.model.router import choose_top1, initial_balancing_biases
 from zaya_jax.train import balancing
-from zaya_jax.train.model_state import split
+from zaya_jax.train.flat_model import split
 from flax import nnx
 
 

@@ -152,7 +152,7 @@ def test_bf16_train_step_of_each_layout_lowers_with_exact_triton_calls(layout, p
 @pytest.mark.parametrize("mesh", [{"data": 8}, {"data": 2, "tsp": 2, "expert": 2}, {"data": 2, "fsdp": 2, "tensor": 2}],
                          ids=str)
 def test_the_data_replicas_micro_batch_loop_lowers_with_exact_triton_calls(mesh, platform):
-    # Two micro-batches: the loop runs in parallel/replicas.py's shard_map manual over data, the
+    # Two micro-batches: the loop runs in parallel/grad_reduction.py's shard_map manual over data, the
     # kernels and the layer schedules nested inside it (traced once, whatever the micro-batches).
     _skip_unless_lowerable(platform)
     overrides = ["--config.model.num_hidden_layers=1", "--config.model.compute_dtype=bfloat16",

@@ -26,7 +26,7 @@ from zaya_jax.data.packing import pack_documents
 from zaya_jax.model.layer_stack import INERT_IN_LAYER_0, per_layer
 from zaya_jax.model.state import build_model
 from zaya_jax.train import balancing
-from zaya_jax.train.model_state import split
+from zaya_jax.train.flat_model import split
 from zaya_jax.train.step import BATCH_KEYS, StepConfig, accumulate_gradients
 
 # Two shapes apart in every axis the gradient crosses: GQA ratio, experts, router width, depth

@@ -1,4 +1,4 @@
-"""Gradients reduced once per step (parallel/replicas.py) and ZeRO-1 (optim.shard_over_data):
+"""Gradients reduced once per step (parallel/grad_reduction.py) and ZeRO-1 (optim.shard_over_data):
 counted in the compiled train step on fake CPU devices with explore/hlo_census.py, and the reduced
 gradients themselves (not only what Muon/AdamW make of them) equal to one device's."""
 
@@ -159,7 +159,7 @@ def _one_device_gradients():
 
 
 # One micro-batch: GSPMD reduces inside the backward. Several on data > 1: the replicas' loop
-# (parallel/replicas.py), reduce-scattered onto ZeRO-1's shards (on by default; every weight of
+# (parallel/grad_reduction.py), reduce-scattered onto ZeRO-1's shards (on by default; every weight of
 # the tiny model splits) or, with it off, all-reduced. Three compiles cover the layout families;
 # tests/test_train_step.py checks the norm under more layouts.
 @pytest.mark.parametrize("accum, mesh, extra", [

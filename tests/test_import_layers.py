@@ -75,6 +75,6 @@ def test_no_module_imports_a_layer_above_its_own(unit, path):
 
 def test_the_check_sees_an_upward_import(tmp_path):
     bad = tmp_path / "bad.py"
-    bad.write_text("from zaya_jax.parallel import attention_layout\nimport zaya_jax.cli\nfrom zaya_jax import config\n")
+    bad.write_text("from zaya_jax.parallel import attention_schedule\nimport zaya_jax.cli\nfrom zaya_jax import config\n")
     assert {_unit(name) for name in _imports(str(bad))} >= {"parallel", "cli", "config"}
     assert LEVEL["parallel"] < LEVEL["model"] < LEVEL["config"] < LEVEL["kernels"]

@@ -19,7 +19,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from zaya_jax.config import preset
 from zaya_jax.model.cca import PARAM_AXES, CCAttention
 from zaya_jax.model.segments import sequence_info
-from zaya_jax.parallel import attention_layout, experts_layout
+from zaya_jax.parallel import attention_schedule, experts_schedule
 from zaya_jax.parallel.axes import MESH_AXES
 from zaya_jax.parallel.mesh import build_mesh
 from zaya_jax.parallel.rules import named_sharding
@@ -39,7 +39,7 @@ def _abstract(mesh):
     attn = {n: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=named_sharding(PARAM_AXES[n], mesh, v.shape))
             for n, v in params.items()}
     e, h, i = CFG.num_experts, CFG.hidden_size, CFG.moe_intermediate_size
-    experts = [jax.ShapeDtypeStruct(s, jnp.float32, sharding=named_sharding(experts_layout.WEIGHT_AXES[n], mesh, s))
+    experts = [jax.ShapeDtypeStruct(s, jnp.float32, sharding=named_sharding(experts_schedule.WEIGHT_AXES[n], mesh, s))
                for n, s in (("gate", (e, h, i)), ("up", (e, h, i)), ("down", (e, i, h)))]
     x = jax.ShapeDtypeStruct((B, S, h), jnp.float32, sharding=NamedSharding(mesh, P(*row.spec, None)))
     ints = jax.ShapeDtypeStruct((B, S), jnp.int32, sharding=row)
@@ -50,7 +50,7 @@ def _abstract(mesh):
 def _attention(mesh, zigzagged=False):
     def layer(params, x, segments, positions):
         with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
-            return attention_layout.cca(params, x, sequence_info((B, S), segments, positions, 1), CFG,
+            return attention_schedule.cca(params, x, sequence_info((B, S), segments, positions, 1), CFG,
                                         zigzagged=zigzagged)
     return layer
 
@@ -58,7 +58,7 @@ def _attention(mesh, zigzagged=False):
 def _experts(mesh):
     def layer(x, expert, weight, gate, up, down):
         with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
-            return experts_layout.experts(x, expert, weight, gate, up, down, backend="xla")
+            return experts_schedule.experts(x, expert, weight, gate, up, down, backend="xla")
     return layer
 
 
@@ -139,7 +139,7 @@ HYBRID = CFG.replace(layer_pattern="LC", linear_decay="retention")
 
 def _linear(mesh, length, zigzagged):
     from zaya_jax.model.linear_attn import PARAM_AXES as LINEAR_AXES, LinearAttention
-    from zaya_jax.parallel import linear_layout
+    from zaya_jax.parallel import linear_schedule
 
     row = named_sharding(("batch", "length"), mesh)
     params = {n: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=named_sharding(LINEAR_AXES[n], mesh, v.shape))
@@ -149,7 +149,7 @@ def _linear(mesh, length, zigzagged):
 
     def layer(params, x, segments):
         with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
-            return linear_layout.linear(params, x, sequence_info((B, length), segments, None, 1), HYBRID,
+            return linear_schedule.linear(params, x, sequence_info((B, length), segments, None, 1), HYBRID,
                                         zigzagged=zigzagged)
     return layer, (params, x, ints)
 

@@ -14,14 +14,14 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from zaya_jax.config import preset
-from zaya_jax.model.layout import LOCAL
+from zaya_jax.model.schedule import LOCAL
 from zaya_jax.parallel.mesh import build_mesh
 from zaya_jax.model.segments import positions_from_segments
 from zaya_jax.parallel import zigzag
-from zaya_jax.parallel.mesh_layout import MESH, ZIGZAG
+from zaya_jax.parallel.mesh_schedule import MESH, ZIGZAG
 from zaya_jax.parallel.axes import MESH_AXES
 from zaya_jax.parallel.rules import named_sharding
-from zaya_jax.train.model_state import init_arrays, model_def
+from zaya_jax.train.flat_model import init_arrays, model_def
 
 BATCH, SEQ = 8, 24
 CFG = preset("tiny", compute_dtype="float32", attention_kernel="xla", moe_kernel="xla", norm_kernel="xla")
@@ -35,23 +35,23 @@ def _inputs(seed=0):
     return ids, segments, probe
 
 
-def _forward(cfg, layout, params, biases, ids, segments, probe, positions=None):
+def _forward(cfg, schedule, params, biases, ids, segments, probe, positions=None):
     model = model_def(cfg).merge(params, biases)
-    logits = model.logits(model.hidden_states(ids, segments, positions, layout=layout)[0])
+    logits = model.logits(model.hidden_states(ids, segments, positions, schedule=schedule)[0])
     return jnp.sum(logits * probe), logits
 
 
-def _value_and_grad(cfg, mesh=None, inputs=None, layout=MESH):
+def _value_and_grad(cfg, mesh=None, inputs=None, schedule=MESH):
     params, biases = init_arrays(cfg, seed=3)
     # Non-trivial biases so that routing is spread over the experts and the skip class.
     biases = {k: jnp.asarray(np.random.default_rng(1).normal(size=v.shape) * 0.05, jnp.float32)
               for k, v in biases.items()}
     ids, segments, probe = inputs or _inputs()
-    fn = jax.value_and_grad(functools.partial(_forward, cfg, LOCAL if mesh is None else layout), has_aux=True)
+    fn = jax.value_and_grad(functools.partial(_forward, cfg, LOCAL if mesh is None else schedule), has_aux=True)
     if mesh is None:
         (_, logits), grads = jax.jit(fn)(params, biases, ids, segments, probe)
         return logits, grads
-    if layout.zigzagged:
+    if schedule.zigzagged:
         return _zigzagged(fn, cfg, mesh, params, biases, ids, segments, probe)
     md = model_def(cfg)
     shapes = md.param_shapes

@@ -172,7 +172,7 @@ def _gradient_transfers(r, sizes):
 def test_gradients_reduce_over_the_axes_that_do_not_shard_them():
     r = run(batch=16, accum=4)
     grads = inventory.state_bytes(TINY, mesh()).grads
-    # Over data once per step (parallel/replicas.py), whatever the micro-batch count: ZeRO-1
+    # Over data once per step (parallel/grad_reduction.py), whatever the micro-batch count: ZeRO-1
     # reduce-scatters every gradient onto its optimizer shard and gathers the updated weights.
     # (A weight with no dimension that 8 divides keeps its state whole: all-reduced.)
     zero1 = {tr.op: tr for tr in _gradient_transfers(r, mesh(data=8))}

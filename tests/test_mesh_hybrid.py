@@ -1,5 +1,5 @@
 """`zaya mesh` on hybrid models (`model.layer_pattern`): a linear-attention layer priced as it runs
-(`parallel/linear_layout.py`, `parallel/lasp2.py`) beside a CCA layer — its weights counted once per
+(`parallel/linear_schedule.py`, `parallel/lasp2.py`) beside a CCA layer — its weights counted once per
 linear layer, its FLOPs from `train/flops.py`, its LASP-2 state exchange in place of CCA's K/V
 gather, its activations — and an all-CCA model priced to the byte as pinned numbers say (pricing
 linear layers must not move a model that has none); one
@@ -37,7 +37,7 @@ def by_what(r, sizes):
 
 def test_stacked_weights_count_the_layers_of_their_kind_as_the_model_stores_them():
     from zaya_jax.model.state import expected_shapes
-    from zaya_jax.train.model_state import model_def
+    from zaya_jax.train.flat_model import model_def
 
     cfg = TINY.replace(num_hidden_layers=8, layer_pattern="LLLC")
     shapes = model_def(cfg).param_shapes
@@ -159,7 +159,7 @@ def test_a_linear_layer_keeps_its_own_activations_and_its_gathered_states():
 def test_a_hybrids_predicted_memory_is_within_the_usual_band_of_xla():
     from zaya_jax.experiment import load_experiment
     from zaya_jax.explore.placement import describe
-    from zaya_jax.explore.validate import validate
+    from zaya_jax.explore.against_xla import validate
 
     config = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "experiments",
                           "tiny_hybrid_cpu.py")

@@ -12,7 +12,7 @@ import pytest
 from zaya_jax.experiment import load_experiment
 from zaya_jax.explore import memory
 from zaya_jax.explore.placement import describe
-from zaya_jax.explore.validate import validate
+from zaya_jax.explore.against_xla import validate
 from zaya_jax.explore.workload import Run
 from zaya_jax import hardware
 from zaya_jax.errors import ZayaError

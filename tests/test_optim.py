@@ -11,7 +11,7 @@ import pytest
 from zaya_jax.config import preset
 from zaya_jax.errors import ZayaError
 from zaya_jax.experiment import base_config
-from zaya_jax.train.model_state import model_def
+from zaya_jax.train.flat_model import model_def
 from zaya_jax.train.muon import MatrixView, MuonState, newton_schulz, orthogonal_update, scale_by_muon
 from zaya_jax.train.optim import build_optimizer, learning_rate_schedule, rule_for, warmup_steps
 

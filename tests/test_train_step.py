@@ -72,7 +72,7 @@ def single():
 
 # Expert-parallel training is checked against the same losses by the resharded-resume tests
 # (tests/test_resume.py: fsdp4 x expert2 and expert2 x fsdp2), and its gradients in test_layouts.py.
-# data x fsdp x tensor, two micro-batches: the data replicas' loop (parallel/replicas.py, which
+# data x fsdp x tensor, two micro-batches: the data replicas' loop (parallel/grad_reduction.py, which
 # runs for several micro-batches only) with GSPMD axes inside it, where XLA's partitioner aborts
 # on the embedding gather unless the table is gathered first.
 @pytest.mark.parametrize("mesh, accum", [(dict(data=8), 1), (dict(fsdp=8), 1), (dict(tsp=8), 1),
@@ -175,7 +175,7 @@ def test_pallas_kernels_run_per_batch_shard_and_train_like_one_device(single):
     # the final norm), and one more for each call's transpose in the backward. Unrolled, every
     # layer has its own; scanned, the block body holds them once, and JAX's partial evaluation of
     # the scan stages the experts' schedule once more in the backward (it sorts the tokens again).
-    # One micro-batch: no data replicas' loop around them (parallel/replicas.py; see
+    # One micro-batch: no data replicas' loop around them (parallel/grad_reduction.py; see
     # tests/test_gpu_lowering.py for kernels inside it).
     layers = load_experiment(TINY, overrides).model.num_hidden_layers
     assert _shard_maps(overrides + ["--config.train.scan_layers=false"]) == 2 * (5 * layers + 1), \
@@ -191,7 +191,7 @@ def test_pallas_kernels_run_per_batch_shard_and_train_like_one_device(single):
 
 # bf16 compute (fp32 master weights and islands) under every layout family: the steps compile on
 # XLA's CPU compiler (which aborts on them unless the schedules' shard_maps are manual over
-# every mesh axis, see parallel/batch_map.layout_map) and the losses stay within bf16 rounding of
+# every mesh axis, see parallel/batch_map.schedule_map) and the losses stay within bf16 rounding of
 # one device's. fsdp alone runs the experts' schedule only, TSP both schedules; the two mixes add
 # expert, tensor, sequence and data. One layer, two steps without warmup: the second loss is
 # after a full-lr update.

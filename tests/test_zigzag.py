@@ -21,7 +21,7 @@ from zaya_jax.explore.workload import Run, share
 from zaya_jax.kernels import pallas_attention
 from zaya_jax.model.cca import PARAM_AXES, CCAttention
 from zaya_jax.model.segments import sequence_info
-from zaya_jax.parallel import attention_layout, zigzag
+from zaya_jax.parallel import attention_schedule, zigzag
 from zaya_jax.parallel.axes import MESH_AXES
 from zaya_jax.parallel.mesh import build_mesh
 from zaya_jax.parallel.rules import named_sharding
@@ -82,7 +82,7 @@ def _visited_blocks_per_device(devices: int, zigzagged: bool) -> list[int]:
     def layer(params, x, segments, positions):
         with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
             seq = sequence_info((8, S), segments, positions, 1)
-            return attention_layout.cca(params, x, seq, CFG, zigzagged=zigzagged)
+            return attention_schedule.cca(params, x, seq, CFG, zigzagged=zigzagged)
 
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(pallas_attention, "_attention", record)

@@ -53,7 +53,7 @@ def main(argv=None) -> int:
 
 
 def compile_report(program) -> dict:
-    from zaya_jax.explore.validate import memory_report
+    from zaya_jax.explore.against_xla import memory_report
 
     mem = memory_report(program)
     c = program.exp.config

@@ -84,7 +84,7 @@ def compiled(mesh: Mesh, axis: str, op: str, elements: int):
     n = mesh.shape[axis]
     local = elements // n if op == "all_gather" else elements
     spec = P(mesh.axis_names)  # dim 0 split over every axis: one shard per device
-    # Manual over every axis (size-1 ones too), as parallel/batch_map.layout_map does, so that
+    # Manual over every axis (size-1 ones too), as parallel/batch_map.schedule_map does, so that
     # nothing outside the collective is left for GSPMD to partition.
     fn = jax.jit(jax.shard_map(per_shard(op, axis, n), mesh=mesh, in_specs=spec, out_specs=spec,
                                axis_names=set(mesh.axis_names), check_vma=False))

@@ -1,6 +1,6 @@
 """Model checkpoints in Orbax: the only module that calls Orbax for model weights.
 
-Layout: an Orbax checkpoint directory whose PyTree is `{"model": <nested model state>}` (keys
+Schedule: an Orbax checkpoint directory whose PyTree is `{"model": <nested model state>}` (keys
 are the model's attribute paths, `layers/3/attn/wq`...), with the model config stored as
 custom metadata under `zaya_jax`. Writes go group by group through Orbax's partial save, so
 the host holds one layer at a time, and become visible only when finalized: a killed

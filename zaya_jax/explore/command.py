@@ -126,7 +126,7 @@ def mesh_command(args, overrides: list[str]) -> int:
     fitting = [p for p in predictions if p.fits]
     xla = None
     if args.validate:
-        from zaya_jax.explore.validate import validate
+        from zaya_jax.explore.against_xla import validate
 
         targets = [p.layout for p in shown if p.fits]
         xla = validate(args.config, overrides, targets, progress=lambda m: print(m, file=sys.stderr, flush=True),

@@ -66,7 +66,7 @@ def _part(path: str) -> str:
 @functools.lru_cache(maxsize=16)
 def param_groups(cfg: ModelConfig) -> tuple[ParamGroup, ...]:
     """Every parameter of the model as groups of identical ones (shape, axes, optimizer)."""
-    from zaya_jax.train.model_state import model_def
+    from zaya_jax.train.flat_model import model_def
 
     small = model_def(cfg.replace(num_hidden_layers=len(cfg.layer_pattern)))  # every kind has a row
     shapes, axes = small.param_shapes, small.param_axes

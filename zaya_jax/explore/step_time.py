@@ -185,7 +185,7 @@ def _gradient_reductions(run: Run, sizes: dict[str, int], where: dict[str, Span]
     """The sum of each parameter's gradient over the token-splitting axes that do not shard it
     (FSDP's and TSP's own reductions are reduce-scatters, counted with their schedules; experts
     see every token of the expert axis). With several micro-batches the `data` part runs once,
-    after the loop (`parallel/replicas.py`): an all-reduce, or under ZeRO-1 a reduce-scatter onto
+    after the loop (`parallel/grad_reduction.py`): an all-reduce, or under ZeRO-1 a reduce-scatter onto
     the optimizer's shard; the other axes' parts stay in the loop, once per micro-batch. With one
     micro-batch GSPMD reduces over all of them at once inside the backward. ZeRO-1 then gathers
     the updated weights over `data`."""

@@ -10,7 +10,7 @@ half comes from the previous token, causal GQA attention (the `model.attention_k
 The math is written over *any whole set of KV groups*: `group_major` lays the weights out with
 one group axis per array, `select_groups` cuts a run of groups from it, and `project` computes
 q, k, v for those groups. One bucket holding every group is the single-device layer; the
-tensor- and TSP-parallel schedules (`parallel/attention_layout.py`, reached through the `Layout`
+tensor- and TSP-parallel schedules (`parallel/attention_schedule.py`, reached through the `Schedule`
 the program hands the model) run the same functions on their groups. (CCA's mean residuals mix
 a group's query heads, so groups are never split.)
 """
@@ -25,7 +25,7 @@ from zaya_jax import kernels
 from zaya_jax.config import ModelConfig
 from zaya_jax.model.params import constant, make_param, normal
 from zaya_jax.model.segments import SequenceInfo, shift_right
-from zaya_jax.model.layout import LOCAL, Layout
+from zaya_jax.model.schedule import LOCAL, Schedule
 
 
 def rope_tables(positions: jax.Array, rotary_dim: int, theta: float) -> tuple[jax.Array, jax.Array]:
@@ -106,23 +106,23 @@ class CCAttention(nnx.Module):
     def params(self) -> dict[str, jax.Array]:
         return {name: getattr(self, name)[...] for name in PARAM_AXES}
 
-    def __call__(self, x: jax.Array, seq: SequenceInfo, layout: Layout = LOCAL) -> jax.Array:
-        out = layout.attention(self.params(), x, seq, self.cfg)
+    def __call__(self, x: jax.Array, seq: SequenceInfo, schedule: Schedule = LOCAL) -> jax.Array:
+        out = schedule.attention(self.params(), x, seq, self.cfg)
         if out is not None:
             return out
         w = group_major(self.params(), self.cfg, x.dtype)
         q, k, v = project(x, w, seq, self.cfg, first_group=0)
-        out = self._attend(q, k, v, seq.segment_ids, layout)
+        out = self._attend(q, k, v, seq.segment_ids, schedule)
         return jnp.einsum("bsnd,ndh->bsh", out, w["wo"])
 
-    def _attend(self, q, k, v, segment_ids, layout: Layout):
+    def _attend(self, q, k, v, segment_ids, schedule: Schedule):
         backend = self.cfg.attention_kernel
 
         def attend(q, k, v, segment_ids=None):
             return kernels.flash_attention(q, k, v, segment_ids=segment_ids, backend=backend)
 
         batched = (q, k, v) if segment_ids is None else (q, k, v, segment_ids)
-        return layout.run_kernel("attention", backend, attend, batched)
+        return schedule.run_kernel("attention", backend, attend, batched)
 
 
 def group_major(p: dict[str, jax.Array], cfg: ModelConfig, dtype) -> dict[str, jax.Array]:

@@ -13,7 +13,7 @@ each document start (segment ids), so a packed document sees only itself.
 
 As for CCA, the math is written over any whole run of KV groups (`project`, `output` on
 group-major weights, `select_groups`), so the tensor- and sequence-parallel schedules
-(`parallel/linear_layout.py`, reached through the `Layout`) run these same functions on their
+(`parallel/linear_schedule.py`, reached through the `Schedule`) run these same functions on their
 groups; the decay of a run of groups is `log_decay(cfg)[heads of the run]`.
 """
 
@@ -25,7 +25,7 @@ from flax import nnx
 
 from zaya_jax.config import ModelConfig
 from zaya_jax.kernels import ops as kernel_ops
-from zaya_jax.model.layout import LOCAL, Layout
+from zaya_jax.model.schedule import LOCAL, Schedule
 from zaya_jax.model.params import constant, make_param, normal
 from zaya_jax.model.segments import SequenceInfo
 
@@ -53,8 +53,8 @@ class LinearAttention(nnx.Module):
     def params(self) -> dict[str, jax.Array]:
         return {name: getattr(self, name)[...] for name in PARAM_AXES}
 
-    def __call__(self, x: jax.Array, seq: SequenceInfo, layout: Layout = LOCAL) -> jax.Array:
-        out = layout.linear_attention(self.params(), x, seq, self.cfg)
+    def __call__(self, x: jax.Array, seq: SequenceInfo, schedule: Schedule = LOCAL) -> jax.Array:
+        out = schedule.linear_attention(self.params(), x, seq, self.cfg)
         if out is not None:
             return out
         w = group_major(self.params(), self.cfg, x.dtype)
@@ -65,7 +65,7 @@ class LinearAttention(nnx.Module):
         def attend(q, k, v, segment_ids):
             return kernel_ops.linear_attention(q, k, v, segment_ids, log_decay=decay, backend=backend)
 
-        attn = layout.run_kernel("linear_attention", backend, attend, (q, k, v, segment_ids))
+        attn = schedule.run_kernel("linear_attention", backend, attend, (q, k, v, segment_ids))
         return output(attn, x, w, self.cfg).astype(x.dtype)
 
 

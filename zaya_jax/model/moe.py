@@ -5,8 +5,8 @@ Tokens are sorted by their chosen expert, run through `zaya_jax.kernels.grouped_
 run as one grouped matmul against the two weights side by side ([E, H, 2·I]), then down: two
 grouped matmuls each way, not three. Skip-class
 tokens sort to the end, past every group, where the grouped matmul outputs zero. On a mesh with
-expert, TSP or tensor parallelism the `Layout` the program hands the model runs the same math
-per device in the schedule of `parallel/experts_layout.py`.
+expert, TSP or tensor parallelism the `Schedule` the program hands the model runs the same math
+per device in the schedule of `parallel/experts_schedule.py`.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from zaya_jax import kernels
 from zaya_jax.config import ModelConfig
 from zaya_jax.model.params import make_param, normal
 from zaya_jax.model.router import Router, Routing
-from zaya_jax.model.layout import LOCAL, Layout
+from zaya_jax.model.schedule import LOCAL, Schedule
 
 
 class Experts(nnx.Module):
@@ -32,11 +32,11 @@ class Experts(nnx.Module):
         self.down = make_param(rngs, init, (e, i, h), ("experts", "mlp", "embed"))
         self.kernel = cfg.moe_kernel
 
-    def __call__(self, x: jax.Array, routing: Routing, layout: Layout = LOCAL) -> jax.Array:
+    def __call__(self, x: jax.Array, routing: Routing, schedule: Schedule = LOCAL) -> jax.Array:
         """x: [B, S, H]; returns weight · down(silu(gate x) ⊙ up x) per token, [B, S, H] in x's dtype."""
         dt = x.dtype
         gate, up, down = (w[...].astype(dt) for w in (self.gate, self.up, self.down))
-        out = layout.experts(x, routing, gate, up, down, self.kernel)
+        out = schedule.experts(x, routing, gate, up, down, self.kernel)
         if out is not None:
             return out
         batch, length, hidden = x.shape
@@ -81,9 +81,9 @@ class MoE(nnx.Module):
         self.experts = Experts(cfg, rngs=rngs)
 
     def __call__(self, x: jax.Array, prev_state: jax.Array | None,
-                 layout: Layout = LOCAL) -> tuple[jax.Array, jax.Array, Routing]:
+                 schedule: Schedule = LOCAL) -> tuple[jax.Array, jax.Array, Routing]:
         """x: [B, S, H]; returns (output [B, S, H], router state [B, S, R] for EDA, routing [B, S])."""
         with jax.named_scope("router"):
-            routing, state = self.router(x, prev_state, layout)
+            routing, state = self.router(x, prev_state, schedule)
         with jax.named_scope("experts"):
-            return self.experts(x, routing, layout), state, routing
+            return self.experts(x, routing, schedule), state, routing

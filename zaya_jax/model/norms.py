@@ -9,7 +9,7 @@ from flax import nnx
 
 from zaya_jax import kernels
 from zaya_jax.model.params import constant, make_param
-from zaya_jax.model.layout import LOCAL, Layout
+from zaya_jax.model.schedule import LOCAL, Schedule
 
 
 class RMSNorm(nnx.Module):
@@ -20,11 +20,11 @@ class RMSNorm(nnx.Module):
         self.kernel = kernel
         self.weight = make_param(rngs, constant(1.0), (size,), (axis_name,))
 
-    def __call__(self, x: jax.Array, out_dtype=jnp.float32, layout: Layout = LOCAL) -> jax.Array:
+    def __call__(self, x: jax.Array, out_dtype=jnp.float32, schedule: Schedule = LOCAL) -> jax.Array:
         def norm(x, weight):
             return kernels.rms_norm(x, weight, eps=self.eps, out_dtype=out_dtype, backend=self.kernel)
 
-        return layout.run_kernel("rms_norm", self.kernel, norm, (x,), (self.weight[...],))
+        return schedule.run_kernel("rms_norm", self.kernel, norm, (x,), (self.weight[...],))
 
 
 class Affine(nnx.Module):

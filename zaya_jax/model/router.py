@@ -22,7 +22,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from zaya_jax.config import ModelConfig
-from zaya_jax.model.layout import LOCAL, Layout
+from zaya_jax.model.schedule import LOCAL, Schedule
 from zaya_jax.model.norms import RMSNorm
 from zaya_jax.model.params import BalancingBias, constant, make_param, normal
 
@@ -59,13 +59,13 @@ class Router(nnx.Module):
         self.balancing_biases = BalancingBias(initial_balancing_biases(cfg.num_experts))
 
     def __call__(self, x: jax.Array, prev_state: jax.Array | None,
-                 layout: Layout = LOCAL) -> tuple[Routing, jax.Array]:
+                 schedule: Schedule = LOCAL) -> tuple[Routing, jax.Array]:
         """x: [..., H] normed tokens ([B, S, H] in the model); prev_state: the previous layer's
         post-EDA router state [..., R] (zeros or None before the first layer)."""
         state = x.astype(jnp.float32) @ self.down[...] + self.down_bias[...]
         if prev_state is not None:
             state = state + prev_state * self.eda_scale[...]
-        hidden = self.norm(state, layout=layout)
+        hidden = self.norm(state, schedule=schedule)
         hidden = jax.nn.gelu(hidden @ self.fc1[...] + self.fc1_bias[...], approximate=False)
         hidden = jax.nn.gelu(hidden @ self.fc2[...] + self.fc2_bias[...], approximate=False)
         probs = jax.nn.softmax(hidden @ self.out[...], axis=-1)

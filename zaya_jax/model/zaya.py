@@ -17,7 +17,7 @@ from flax import nnx
 from zaya_jax.config import ModelConfig
 from zaya_jax.model.cca import CCAttention, max_lag
 from zaya_jax.model.layer_stack import MIXERS, init_stack, run_blocks
-from zaya_jax.model.layout import LOCAL, Layout
+from zaya_jax.model.schedule import LOCAL, Schedule
 from zaya_jax.model.linear_attn import LinearAttention
 from zaya_jax.model.moe import MoE
 from zaya_jax.model.norms import Affine, RMSNorm, ResidualMerge
@@ -38,14 +38,14 @@ class Block(nnx.Module):
         self.moe = MoE(cfg, rngs=rngs)
         self.mlp_merge = ResidualMerge(cfg.hidden_size, rngs=rngs)
 
-    def __call__(self, mixer, h: jax.Array, router_state, seq: SequenceInfo, dtype, layout: Layout = LOCAL):
+    def __call__(self, mixer, h: jax.Array, router_state, seq: SequenceInfo, dtype, schedule: Schedule = LOCAL):
         # Named scopes: the profiler's trace and the HLO's op names read like the model.
         with jax.named_scope("block"):
             with jax.named_scope("attention" if isinstance(mixer, CCAttention) else "linear_attention"):
-                a = mixer(self.attn_norm(h, dtype, layout), seq, layout)
+                a = mixer(self.attn_norm(h, dtype, schedule), seq, schedule)
                 r = self.attn_merge(a, h)
             with jax.named_scope("moe"):
-                m, router_state, routing = self.moe(self.mlp_norm(r, dtype, layout), router_state, layout)
+                m, router_state, routing = self.moe(self.mlp_norm(r, dtype, schedule), router_state, schedule)
                 return self.mlp_merge(m, r), router_state, routing
 
 
@@ -87,25 +87,25 @@ class Zaya(nnx.Module):
         return jnp.dtype(self.cfg.compute_dtype)
 
     def hidden_states(self, input_ids: jax.Array, segment_ids=None, positions=None, remat: str = "none",
-                      layout: Layout = LOCAL, scan: bool = True, unroll: int = 1):
+                      schedule: Schedule = LOCAL, scan: bool = True, unroll: int = 1):
         """Final-normed fp32 hidden states [B, S, H] and every layer's `Routing` stacked (`.expert` [L, B, S]).
 
         `remat` names a policy of `model/remat.py` applied to each block (training memory);
-        `layout` runs the layers over devices (`model/layout.py`; default: here, one device);
+        `schedule` runs the layers over devices (`model/schedule.py`; default: here, one device);
         `scan=False` unrolls the layer scan (debugging; same values); `unroll`: pattern units per scan iteration.
         """
         cfg, dtype = self.cfg, self.compute_dtype
         seq = sequence_info(input_ids.shape, segment_ids, positions, max_lag=max_lag(cfg))
-        h = self.input_affine(layout.embed(self.embedding[...], input_ids))
+        h = self.input_affine(schedule.embed(self.embedding[...], input_ids))
         no_router_state = jnp.zeros((*h.shape[:-1], cfg.router_hidden_size), jnp.float32)
 
         def step(block, mixer, h, router_state):
-            return block(mixer, h, router_state, seq, dtype, layout)
+            return block(mixer, h, router_state, seq, dtype, schedule)
 
         blocks, mixers = self.layers.split(cfg)
         h, routing = run_blocks(blocks, mixers, cfg.layer_kinds, h, no_router_state, step, remat=remat, scan=scan,
                                 unroll=unroll)
-        return self.final_norm(h, jnp.float32, layout), routing
+        return self.final_norm(h, jnp.float32, schedule), routing
 
     def logits(self, hidden: jax.Array) -> jax.Array:
         """Tied LM head in fp32."""

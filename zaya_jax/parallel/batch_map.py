@@ -27,7 +27,7 @@ def run_kernel(kernel: str, backend: str, fn, batched: tuple, replicated: tuple 
     """fn(*batched, *replicated); `batched` arrays are [B, S, ...] and split on B and S.
 
     Only for kernels that act on each token row alone (the norm) or on whole sequences when the
-    sequence axes are 1 (attention without a sequence layout; see `attention_layout`).
+    sequence axes are 1 (attention without a sequence layout; see `attention_schedule`).
     """
     if resolve(kernel, backend) != "pallas":
         return fn(*batched, *replicated)
@@ -40,7 +40,7 @@ def run_kernel(kernel: str, backend: str, fn, batched: tuple, replicated: tuple 
     return mapped(*batched, *replicated)
 
 
-def layout_map(fn, in_specs, out_specs, check_vma: bool):
+def schedule_map(fn, in_specs, out_specs, check_vma: bool):
     """`jax.shard_map` of a layout schedule, manual over every axis of the ambient mesh.
 
     Manual over the split axes only, the size-1 axes would stay automatic, and then JAX gives
@@ -68,7 +68,7 @@ def _naming(spec: P, idle: tuple[str, ...]) -> P:
 
 
 # Axes over which an enclosing schedule already gave each device its own rows (the data
-# replicas' micro-batch loop, `parallel/replicas.py`): the layer schedules treat those rows as
+# replicas' micro-batch loop, `parallel/grad_reduction.py`): the layer schedules treat those rows as
 # the whole batch and leave these axes alone.
 _WHOLE: contextvars.ContextVar[tuple[str, ...]] = contextvars.ContextVar("zaya_rows_held_whole", default=())
 

@@ -1,6 +1,6 @@
 """The host side of the bad-step guard: log each skipped step, and act on a streak of them.
 
-The compiled step decides and skips (`train/bad_steps.py`); this reads its verdict one step late,
+The compiled step decides and skips (`train/step_guard.py`); this reads its verdict one step late,
 after the next step is dispatched, so the devices never wait for the host. Every skipped step is
 an event (`bad_step`) and a line under the progress bar. When `fault.max_consecutive_bad_steps`
 steps in a row were bad, `after_step` says what to do: `rollback` (to the newest checkpoint, with

@@ -9,7 +9,7 @@ import shutil
 import jax
 
 from zaya_jax.model import layer_stack
-from zaya_jax.train import processes
+from zaya_jax.train import barriers
 from zaya_jax.train.program import Program
 
 
@@ -40,4 +40,4 @@ def _on_process_zero(action, name: str, timeout_s: int) -> None:
     """Run a filesystem action once, then let every process go on after it."""
     if jax.process_index() == 0:
         action()
-    processes.barrier(name, timeout_s)
+    barriers.barrier(name, timeout_s)

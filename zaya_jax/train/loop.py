@@ -35,7 +35,7 @@ from zaya_jax.errors import ZayaError
 from zaya_jax.experiment import Experiment
 from zaya_jax.kernels import xla_flags
 from zaya_jax.parallel.topology import Topology
-from zaya_jax.train import compile_cache, processes
+from zaya_jax.train import barriers, compile_cache
 from zaya_jax.train.checkpoints import RunCheckpoints
 from zaya_jax.train.evaluation import eval_batch_size
 from zaya_jax.train.events import Attempt, EventLog, read_events
@@ -93,7 +93,7 @@ def train(exp: Experiment, workdir: str, devices=None, out=sys.stdout, topology:
     eval_size = eval_batch_size(program)
     data = build_data(exp)
     iterator = data.train_iterator(program.data_lanes())
-    processes.use_coordination_barriers()  # before Orbax's first barrier
+    barriers.use_coordination_barriers()  # before Orbax's first barrier
     checkpoints = RunCheckpoints(os.path.join(workdir, "checkpoints"), c.checkpoint.keep, c.checkpoint.async_save)
     session = Session(exp, program, data, iterator, checkpoints, workdir, eval_size, out, topology, events, ledger,
                       attempt)

@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from zaya_jax.parallel.batch_map import axis_size, layout_map, row_spec
+from zaya_jax.parallel.batch_map import axis_size, schedule_map, row_spec
 from zaya_jax.parallel.rules import entry_axes, partition_spec
 
 VOCAB_AXIS = "tensor"  # the mesh axis the `vocab` rule splits the table over
@@ -61,7 +61,7 @@ def _vocab_parallel_ce(chunk, dtype, hidden, embedding, targets):
 def _vocab_parallel_fwd(chunk, dtype, hidden, embedding, targets):
     rows = row_spec()
     forward = functools.partial(_forward, chunk, dtype, VOCAB_AXIS)
-    loss, lse = layout_map(forward, in_specs=(P(*rows, None), P(VOCAB_AXIS, None), rows), out_specs=(rows, rows),
+    loss, lse = schedule_map(forward, in_specs=(P(*rows, None), P(VOCAB_AXIS, None), rows), out_specs=(rows, rows),
                            check_vma=False)(hidden, embedding, targets)
     return loss, (hidden, embedding, targets, lse)
 
@@ -75,7 +75,7 @@ def _vocab_parallel_bwd(chunk, dtype, residuals, g):
         # This rank's slice of the table gradient, summed over the tokens of every rank holding it.
         return d_hidden, jax.lax.psum(d_embedding, token_axes) if token_axes else d_embedding
 
-    d_hidden, d_embedding = layout_map(backward, in_specs=(P(*rows, None), P(VOCAB_AXIS, None), rows, rows, rows),
+    d_hidden, d_embedding = schedule_map(backward, in_specs=(P(*rows, None), P(VOCAB_AXIS, None), rows, rows, rows),
                                        out_specs=(P(*rows, None), P(VOCAB_AXIS, None)),
                                        check_vma=False)(*residuals, g)
     return d_hidden, d_embedding, None

@@ -15,7 +15,7 @@ for that GPU (`lower_train_step`, `tools/lower_for_gpu.py`): the Pallas → Trit
 With the sequence split (`tsp` x `sequence` > 1) and `mesh.zigzag` on, the program places every
 batch zigzag (`parallel/zigzag.py`): `place_batch` and `place_eval_batch` permute the columns of
 every batch key (positions and segment ids included) once, on the host, and the model's layout
-knows it (`MeshLayout.zigzagged`). The loss and metrics are sums over tokens: order-free.
+knows it (`MeshSchedule.zigzagged`). The loss and metrics are sums over tokens: order-free.
 """
 
 from __future__ import annotations
@@ -36,12 +36,12 @@ from zaya_jax.kernels.registry import KERNEL_FIELDS, device_target, resolve, tar
 from zaya_jax.parallel.mesh import mesh_for
 from zaya_jax.parallel import zigzag
 from zaya_jax.parallel.axes import SEQUENCE_AXES
-from zaya_jax.parallel.mesh_layout import MeshLayout
+from zaya_jax.parallel.mesh_schedule import MeshSchedule
 from zaya_jax.parallel.muon_spread import spread_matrices
-from zaya_jax.parallel.replicas import reduce_once
+from zaya_jax.parallel.grad_reduction import reduce_once
 from zaya_jax.parallel.rules import data_split_dim, named_sharding, split_over_data
-from zaya_jax.train import bad_steps, balancing
-from zaya_jax.train.model_state import ModelDef, init_arrays, model_def
+from zaya_jax.train import balancing, step_guard
+from zaya_jax.train.flat_model import ModelDef, init_arrays, model_def
 from zaya_jax.train.loss import token_loss
 from zaya_jax.train.optim import build_optimizer
 from zaya_jax.train.step import (BATCH_KEYS, StepConfig, TrainState, init_state, make_eval_step,
@@ -63,16 +63,16 @@ class Program:
         self.zigzagged = zigzag.zigzagged(c.mesh.zigzag, self.sequence_devices)
         # Muon's matrices start and end where their optimizer state lives.
         held = {k: (s.spec, self.modeldef.param_shapes[k]) for k, s in self.optimizer_shardings().items()}
-        self.tx, self.schedule = build_optimizer(c.optim, c.train.steps, self.modeldef.param_axes,
+        self.tx, self.lr_schedule = build_optimizer(c.optim, c.train.steps, self.modeldef.param_axes,
                                                  spread=spread_matrices(self.mesh, held))
         self.balancer = balancing.balancer(c.optim.balancer, c.optim.balance_lr, c.optim.balance_b1,
                                            c.optim.balance_b2)
         # The mesh's schedules run the layers; they look at which axes are split when traced.
         self.step_cfg = StepConfig(remat=c.train.remat, scan_layers=c.train.scan_layers,
                                    scan_unroll=c.train.scan_unroll, vocab_chunk=c.train.loss_vocab_chunk,
-                                   layout=MeshLayout(zigzagged=self.zigzagged),
+                                   schedule=MeshSchedule(zigzagged=self.zigzagged),
                                    loss=token_loss,
-                                   guard=bad_steps.GuardSettings.from_config(c.fault),
+                                   guard=step_guard.GuardSettings.from_config(c.fault),
                                    reduction=self._reduction())
         self._rows: dict[int, list[int]] = {}  # local_rows by batch size: asked every step
         self._abstract = jax.eval_shape(self._init)  # traced once: shardings and AOT compile share it
@@ -104,7 +104,7 @@ class Program:
 
     def _reduction(self):
         """How the step reduces gradients over `data`: with several micro-batches, once after the
-        loop (`parallel/replicas.py`); with one, GSPMD's reductions inside the backward, which XLA
+        loop (`parallel/grad_reduction.py`); with one, GSPMD's reductions inside the backward, which XLA
         can overlap with the layers still to differentiate (a reduction after the loop cannot)."""
         if self.exp.config.train.grad_accum_steps == 1:
             return None
@@ -152,12 +152,12 @@ class Program:
         """The initial state, created directly in its sharded placement."""
         return jax.jit(self._init, out_shardings=self.state_shardings)()
 
-    def fresh_guard(self) -> bad_steps.GuardState:
+    def fresh_guard(self) -> step_guard.GuardState:
         """An empty bad-step guard, placed (for a checkpoint saved before the guard existed)."""
-        return jax.device_put(bad_steps.init(self.step_cfg.guard), self.state_shardings.guard)
+        return jax.device_put(step_guard.init(self.step_cfg.guard), self.state_shardings.guard)
 
     def jitted_train_step(self):
-        step = self._under_mesh(make_train_step(self.modeldef, self.tx, self.balancer, self.schedule, self.step_cfg))
+        step = self._under_mesh(make_train_step(self.modeldef, self.tx, self.balancer, self.lr_schedule, self.step_cfg))
         return jax.jit(step, in_shardings=(self.state_shardings, self.batch_sharding()),
                        out_shardings=(self.state_shardings, self.replicated()), donate_argnums=0)
 

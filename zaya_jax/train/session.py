@@ -13,7 +13,7 @@ from zaya_jax import exit_codes
 from zaya_jax.drills import Drills
 from zaya_jax.drills import parse as parse_drills
 from zaya_jax.experiment.validate import profile_window
-from zaya_jax.train import compile_cache, processes
+from zaya_jax.train import barriers, compile_cache
 from zaya_jax.train import flops as flops_lib
 from zaya_jax.train.bad_step_policy import BadStepPolicy
 from zaya_jax.train.checkpoints import RunCheckpoints, run_meta
@@ -80,7 +80,7 @@ class Session:
             self.summary["compile_cache_hit"] = span["cache_hit"] = hits.count > 0
             eval_step = program.compile_eval_step(self.eval_batch_size) if c.eval.batches else None
             # gloo gives up on a collective whose peers arrive 30 s apart: start the first step together.
-            processes.barrier("compiled", c.distributed.initialization_timeout_s)
+            barriers.barrier("compiled", c.distributed.initialization_timeout_s)
         where = compile_cache.directory(c.train.compile_cache, self.workdir)
         source = f"loaded the train step from the compilation cache {where}" if hits.count else \
             f"compiled the train step{'' if where is None else ' (cached in ' + where + ')'}"

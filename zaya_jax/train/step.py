@@ -5,7 +5,7 @@ summing token-weighted losses so the result equals one big batch; the program's 
 makes each data-parallel replica accumulate its own and reduces once), global-norm clipping and
 the Muon/AdamW update, then the balancing-bias update from the expert counts of the whole
 global batch. The loss is the vocabulary-chunked cross-entropy on the fp32 final hidden states.
-A bad step (`train/bad_steps.py`: non-finite or spiking loss or gradient norm) keeps the state
+A bad step (`train/step_guard.py`: non-finite or spiking loss or gradient norm) keeps the state
 as it was, but for the guard's counters.
 """
 
@@ -19,10 +19,10 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from zaya_jax.model.layout import LOCAL, Layout
-from zaya_jax.train import bad_steps, balancing
+from zaya_jax.model.schedule import LOCAL, Schedule
+from zaya_jax.train import balancing, step_guard
 from zaya_jax.train.loss import chunked_cross_entropy
-from zaya_jax.train.model_state import ModelDef
+from zaya_jax.train.flat_model import ModelDef
 
 BATCH_KEYS = ("inputs", "targets", "segment_ids", "positions", "loss_mask")
 
@@ -34,7 +34,7 @@ class TrainState:
     biases: dict[str, jax.Array]  # balancing biases, [L, E+1], moved by the balancer only
     opt_state: Any
     balance_state: Any
-    guard: bad_steps.GuardState  # the bad-step detector's history and counters
+    guard: step_guard.GuardState  # the bad-step detector's history and counters
 
 
 jax.tree_util.register_dataclass(
@@ -47,21 +47,21 @@ class StepConfig:
     scan_layers: bool = True  # False: the blocks unrolled (debugging; same values, compile grows with depth)
     scan_unroll: int = 1  # blocks per scan iteration (XLA compiles that many copies)
     vocab_chunk: int = 16384
-    layout: Layout = LOCAL  # how the layers run over the program's devices (the program picks it)
+    schedule: Schedule = LOCAL  # how the layers run over the program's devices (the program picks it)
     # The per-token loss (hidden, table, targets): one device's, or the program's `loss.token_loss`
     # (vocabulary-parallel where its mesh splits the table).
     loss: Callable = chunked_cross_entropy
     # Wraps the micro-batch loop so gradients are reduced once per step (the program hands it
-    # `parallel.replicas.reduce_once`); None: the loop alone, GSPMD reducing inside it.
+    # `parallel.grad_reduction.reduce_once`); None: the loop alone, GSPMD reducing inside it.
     reduction: Callable | None = None
-    guard: bad_steps.GuardSettings = bad_steps.GuardSettings()
+    guard: step_guard.GuardSettings = step_guard.GuardSettings()
 
 
 def batch_sums(modeldef: ModelDef, params, biases, batch, cfg: StepConfig):
     """Summed token loss, counted tokens and the balancer's route sums [L, 3, E+1] for one micro-batch."""
     model = modeldef.merge(params, biases)
     hidden, routing = model.hidden_states(batch["inputs"], batch["segment_ids"], batch["positions"],
-                                          remat=cfg.remat, layout=cfg.layout, scan=cfg.scan_layers,
+                                          remat=cfg.remat, schedule=cfg.schedule, scan=cfg.scan_layers,
                                           unroll=cfg.scan_unroll)
     # [B, S] kept apart: flattening a sequence-split batch would gather it (train/loss.py).
     per_token = cfg.loss(hidden, params["embedding"], batch["targets"], chunk_size=cfg.vocab_chunk,
@@ -107,7 +107,7 @@ def make_gradient_step(modeldef: ModelDef, cfg: StepConfig):
 
 
 def make_train_step(modeldef: ModelDef, tx: optax.GradientTransformation, balancer: balancing.Balancer,
-                    schedule: Callable, cfg: StepConfig):
+                    lr_schedule: Callable, cfg: StepConfig):
     """`train_step(state, batches) -> (state, metrics)`; `batches` leaves are [A, b, S]."""
     bias_key = modeldef.bias_key
     gradient_step = make_gradient_step(modeldef, cfg)
@@ -116,18 +116,18 @@ def make_train_step(modeldef: ModelDef, tx: optax.GradientTransformation, balanc
         grads, sums = gradient_step(state.params, state.biases, batches)
         loss, grad_norm, ntok, routes = sums["loss"], sums["grad_norm"], sums["tokens"], sums["routes"]
         counts = routes[:, balancing.TOKENS]
-        bad = bad_steps.is_bad(state.guard, loss, grad_norm, cfg.guard)
+        bad = step_guard.is_bad(state.guard, loss, grad_norm, cfg.guard)
         updates, opt_state = tx.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
         biases, balance_state = balancing.update_biases(state.biases, routes, bias_key, balancer,
                                                         state.balance_state)
-        guard = bad_steps.record(state.guard, loss, grad_norm, bad)
-        metrics = {"loss": loss, "grad_norm": grad_norm, "lr": schedule(state.step),
+        guard = step_guard.record(state.guard, loss, grad_norm, bad)
+        metrics = {"loss": loss, "grad_norm": grad_norm, "lr": lr_schedule(state.step),
                    "tokens": ntok, "expert_load": balancing.load_fractions(counts), **balancing.load_summary(counts),
                    "layer_prob_spread": balancing.probability_moments(routes)[1][:, :-1].mean(-1),
                    "bad_step": bad, "bad_steps": guard.bad_total, "consecutive_bad_steps": guard.consecutive}
         updated = TrainState(state.step + 1, params, biases, opt_state, balance_state, guard)
-        return bad_steps.keep_if_bad(bad, dataclasses.replace(state, guard=guard), updated), metrics
+        return step_guard.keep_if_bad(bad, dataclasses.replace(state, guard=guard), updated), metrics
 
     return train_step
 
@@ -143,6 +143,6 @@ def make_eval_step(modeldef: ModelDef, cfg: StepConfig):
 
 
 def init_state(params, biases: dict, bias_key: str, tx, balancer: balancing.Balancer,
-               guard: bad_steps.GuardSettings = bad_steps.GuardSettings()) -> TrainState:
+               guard: step_guard.GuardSettings = step_guard.GuardSettings()) -> TrainState:
     return TrainState(jnp.zeros((), jnp.int32), params, biases, tx.init(params), balancer.init(biases[bias_key]),
-                      bad_steps.init(guard))
+                      step_guard.init(guard))

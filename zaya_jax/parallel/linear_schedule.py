@@ -7,7 +7,7 @@ under zigzag) and runs `model.linear_attn`'s math — the single-device function
   exchanged by `parallel/lasp2.py`: one all-gather of the states of every chunk and head (the
   heads of all buckets together), the decayed prefix of the chunks before each local chunk, and
   the linear-attention kernel from that state. No K/V moves. In a hybrid model the CCA layers keep
-  their own schedule (`attention_layout`: K/V all-gathered), which makes the pair LASP-2H.
+  their own schedule (`attention_schedule`: K/V all-gathered), which makes the pair LASP-2H.
 - **TSP.** Weights are stored 1/D on their hidden dimension. Heads go in buckets of one KV group:
   the bucket's q/k/v weight slices are all-gathered over `tsp` and its local tokens projected; then
   one LASP-2 exchange over `tsp` (and `sequence`) for every bucket's heads; then each bucket's
@@ -33,9 +33,9 @@ from jax.sharding import PartitionSpec as P
 from zaya_jax.kernels import ops as kernel_ops
 from zaya_jax.kernels import resolve
 from zaya_jax.model import linear_attn as lin
-from zaya_jax.parallel.attention_layout import gather_over_tsp, varying_weights
+from zaya_jax.parallel.attention_schedule import gather_over_tsp, varying_weights
 from zaya_jax.parallel.axes import SEQUENCE_AXES
-from zaya_jax.parallel.batch_map import axis_size, layout_map, row_spec
+from zaya_jax.parallel.batch_map import axis_size, schedule_map, row_spec
 from zaya_jax.parallel.lasp2 import lasp2
 from zaya_jax.parallel.rules import keep_axes, partition_spec, spec_axes
 
@@ -51,7 +51,7 @@ def linear(params: dict, x, seq, cfg, zigzagged: bool = False):
     segment_ids = seq.segment_ids if seq.segment_ids is not None else jnp.zeros(x.shape[:2], jnp.int32)
     rows = row_spec()
     body = functools.partial(_local, cfg=cfg, specs=specs, zigzagged=zigzagged)
-    mapped = layout_map(body, in_specs=(P(*rows, None), rows, specs), out_specs=P(*rows, None),
+    mapped = schedule_map(body, in_specs=(P(*rows, None), rows, specs), out_specs=P(*rows, None),
                         check_vma=_tracks_vma(cfg))
     return mapped(x, segment_ids, params)
 

@@ -51,7 +51,7 @@ from zaya_jax.model import cca as cca_math
 from zaya_jax.model.segments import sequence_info
 from zaya_jax.parallel import zigzag
 from zaya_jax.parallel.axes import SEQUENCE_AXES
-from zaya_jax.parallel.batch_map import axes_in_context, axis_size, layout_map, row_spec
+from zaya_jax.parallel.batch_map import axes_in_context, axis_size, schedule_map, row_spec
 from zaya_jax.parallel.rules import entry_axes, keep_axes, partition_spec, spec_axes
 
 LAYOUT_AXES = ("tsp", "tensor", "sequence")  # any of these > 1 routes attention through this schedule
@@ -71,7 +71,7 @@ def cca(params: dict, x, seq, cfg, zigzagged: bool = False):
     segment_ids = seq.segment_ids if seq.segment_ids is not None else jnp.zeros(seq.positions.shape, jnp.int32)
     rows = row_spec()
     body = functools.partial(_local_cca, cfg=cfg, specs=specs, zigzagged=zigzagged)
-    mapped = layout_map(body, in_specs=(P(*rows, None), rows, rows, specs), out_specs=P(*rows, None),
+    mapped = schedule_map(body, in_specs=(P(*rows, None), rows, rows, specs), out_specs=P(*rows, None),
                         check_vma=_tracks_vma(cfg))
     return mapped(x, segment_ids, seq.positions, params)
 

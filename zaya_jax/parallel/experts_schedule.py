@@ -29,7 +29,7 @@ from jax.sharding import PartitionSpec as P
 
 from zaya_jax.model import moe as moe_math
 from zaya_jax.parallel.axes import MODEL_AXES
-from zaya_jax.parallel.batch_map import axes_in_context, axis_size, layout_map, row_spec
+from zaya_jax.parallel.batch_map import axes_in_context, axis_size, schedule_map, row_spec
 from zaya_jax.parallel.rules import keep_axes, partition_spec
 from zaya_jax.parallel.tsp_experts import ring_experts
 
@@ -48,7 +48,7 @@ def experts(x, expert, weight, gate, up, down, *, backend: str):
     specs = tuple(keep_axes(partition_spec(WEIGHT_AXES[n], mesh, w.shape), MODEL_AXES)
                   for n, w in (("gate", gate), ("up", up), ("down", down)))
     rows = row_spec()
-    mapped = layout_map(functools.partial(_local_experts, backend=backend),
+    mapped = schedule_map(functools.partial(_local_experts, backend=backend),
                         in_specs=(P(*rows, None), rows, rows) + specs, out_specs=P(*rows, None),
                         check_vma=False)  # Pallas outputs carry no vma
     return mapped(x, expert, weight, gate, up, down)

@@ -1,8 +1,8 @@
-"""The model's `Layout` on a device mesh: attention, experts and kernels run by the layout schedules.
+"""The model's `Schedule` on a device mesh: attention, experts and kernels run by the parallel schedules.
 
-`MeshLayout` routes each layer to `attention_layout` (CCA) or `linear_layout` (linear attention,
+`MeshSchedule` routes each layer to `attention_schedule` (CCA) or `linear_schedule` (linear attention,
 LASP-2) when tsp, tensor or sequence split it, to
-`experts_layout` (any split axis: each device sorts only its own tokens), to
+`experts_schedule` (any split axis: each device sorts only its own tokens), to
 `batch_map.run_kernel` (Pallas kernels shard_mapped over the batch and sequence axes), and looks
 up the embedding. Each asks
 the mesh it is traced under (`Program` traces under its own) which axes are split.
@@ -18,29 +18,29 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from zaya_jax.model.layout import Layout
-from zaya_jax.parallel import attention_layout, experts_layout, linear_layout
+from zaya_jax.model.schedule import Schedule
+from zaya_jax.parallel import attention_schedule, experts_schedule, linear_schedule
 from zaya_jax.parallel.batch_map import rows_held_whole_over, run_kernel
 
 
 @dataclasses.dataclass(frozen=True)
-class MeshLayout(Layout):
+class MeshSchedule(Schedule):
     zigzagged: bool = False  # each device holds chunks p and 2D-1-p of the sequence, not chunk p
 
     def attention(self, params, x, seq, cfg):
-        if not attention_layout.active():
+        if not attention_schedule.active():
             return None
-        return attention_layout.cca(params, x, seq, cfg, zigzagged=self.zigzagged)
+        return attention_schedule.cca(params, x, seq, cfg, zigzagged=self.zigzagged)
 
     def linear_attention(self, params, x, seq, cfg):
-        if not attention_layout.active():
+        if not attention_schedule.active():
             return None
-        return linear_layout.linear(params, x, seq, cfg, zigzagged=self.zigzagged)
+        return linear_schedule.linear(params, x, seq, cfg, zigzagged=self.zigzagged)
 
     def experts(self, x, routing, gate, up, down, backend):
-        if not experts_layout.active(backend):
+        if not experts_schedule.active(backend):
             return None
-        return experts_layout.experts(x, routing.expert, routing.weight, gate, up, down, backend=backend)
+        return experts_schedule.experts(x, routing.expert, routing.weight, gate, up, down, backend=backend)
 
     def run_kernel(self, kernel, backend, fn, batched, replicated=()):
         return run_kernel(kernel, backend, fn, batched, replicated)
@@ -54,5 +54,5 @@ class MeshLayout(Layout):
         return jnp.take(table, ids, axis=0)
 
 
-MESH = MeshLayout()
-ZIGZAG = MeshLayout(zigzagged=True)
+MESH = MeshSchedule()
+ZIGZAG = MeshSchedule(zigzagged=True)

@@ -1,7 +1,7 @@
 """How the model's layers run over devices: the hook a program fills and the model calls.
 
 The model computes one device's math. A program that spreads it over a mesh hands the model a
-`Layout` (`parallel.mesh_layout.MeshLayout`), chosen once from its mesh; every layer then asks it
+`Schedule` (`parallel.mesh_schedule.MeshSchedule`), chosen once from its mesh; every layer then asks it
 to run its attention, its experts and its kernels. `LOCAL`, the default, runs them right here:
 one device, or GSPMD alone. The model never imports `parallel/`: the schedules use the model's
 math, not the other way round.
@@ -12,7 +12,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 
 
-class Layout:
+class Schedule:
     """One device: every method runs its work locally (returning None means "do it yourself")."""
 
     def attention(self, params: dict, x, seq, cfg):
@@ -36,4 +36,4 @@ class Layout:
         return jnp.take(table, ids, axis=0)
 
 
-LOCAL = Layout()
+LOCAL = Schedule()
