@@ -1,7 +1,9 @@
 """Fused RMSNorm in Pallas (Triton lowering): one pass forward, one pass backward, fp32 statistics.
 
-Each program owns `block_rows` rows and the whole feature width (padded to a power of two and
-masked, as Triton tiles must be). The forward writes only y; the backward recomputes 1/rms from
+Each program owns `block_rows` rows (the last program's masked) and the whole feature width. A
+Triton tile's sides are powers of two, so a width that is not one is zero-padded to the next
+before the kernel and cut after it (zeros add nothing to Σx², and the mean divides by the true
+width); JAX refuses a static slice of a ref past its end, so the tile cannot hang over the edge. The forward writes only y; the backward recomputes 1/rms from
 x (cheaper than storing it) and writes dx plus one partial weight gradient per program, which
 XLA sums.
 """
@@ -21,6 +23,7 @@ from zaya_jax.kernels.tuning import RmsNormBlocks, blocks_for
 
 @dataclasses.dataclass(frozen=True)
 class _Plan:
+    width: int  # the features' true width: the mean's divisor (the arrays may be padded past it)
     eps: float
     out_dtype: jnp.dtype
     blocks: RmsNormBlocks
@@ -36,10 +39,13 @@ class _Plan:
 
 def rms_norm(x, weight, *, eps, out_dtype=None, blocks=None, interpret=False):
     """Pallas RMSNorm over the last axis; same contract as `kernels.reference.rms_norm`."""
-    plan = _Plan(float(eps), jnp.dtype(out_dtype or x.dtype), blocks or blocks_for("rms_norm", x.dtype),
+    width = x.shape[-1]
+    plan = _Plan(width, float(eps), jnp.dtype(out_dtype or x.dtype), blocks or blocks_for("rms_norm", x.dtype),
                  bool(interpret))
-    flat = x.reshape(-1, x.shape[-1])
-    return _norm(flat, weight, plan).reshape(x.shape)
+    pad = pl.next_power_of_2(width) - width
+    flat = jnp.pad(x.reshape(-1, width), ((0, 0), (0, pad)))
+    y = _norm(flat, jnp.pad(weight, (0, pad)), plan)
+    return y[:, :width].reshape(x.shape)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
@@ -68,40 +74,32 @@ _norm.defvjp(_norm_fwd, _norm_bwd)
 
 
 def _tile(plan: _Plan, ref):
-    """This program's rows: the [block_rows, width_pow2] tile's ref view, its mask and its column mask.
-
-    The column mask is built on its own, not cut from the tile mask: Triton has no `slice`.
-    """
-    rows, width = ref.shape
+    """This program's rows: the [block_rows, width] tile's ref view and its row mask."""
+    rows = ref.shape[0]
     br = plan.blocks.block_rows
     r = pl.program_id(0) * br + jnp.arange(br)
-    c = jnp.arange(pl.next_power_of_2(width))
-    cols = c < width
-    mask = (r < rows)[:, None] & cols[None, :]
-    return ref.at[pl.ds(pl.program_id(0) * br, br), pl.ds(0, c.shape[0])], mask, cols
+    return ref.at[pl.ds(pl.program_id(0) * br, br)], (r < rows)[:, None]
 
 
 def _normalise(plan: _Plan, x_ref, w_ref):
-    """(x̂, 1/rms, w, mask, column mask) in fp32 for this program's rows."""
-    width = x_ref.shape[1]
-    view, mask, cols = _tile(plan, x_ref)
+    """(x̂, 1/rms, w, mask) in fp32 for this program's rows."""
+    view, mask = _tile(plan, x_ref)
     x = plgpu.load(view, mask=mask, other=0.0).astype(jnp.float32)
-    w = plgpu.load(w_ref.at[pl.ds(0, cols.shape[0])], mask=cols, other=0.0).astype(jnp.float32)
-    inv_rms = jax.lax.rsqrt(jnp.sum(x * x, axis=1) / width + plan.eps)
-    return x * inv_rms[:, None], inv_rms, w, mask, cols
+    w = w_ref[...].astype(jnp.float32)
+    inv_rms = jax.lax.rsqrt(jnp.sum(x * x, axis=1) / plan.width + plan.eps)
+    return x * inv_rms[:, None], inv_rms, w, mask
 
 
 def _rms_norm_fwd(x_ref, w_ref, y_ref, *, plan: _Plan):
-    xhat, _, w, mask, _ = _normalise(plan, x_ref, w_ref)
+    xhat, _, w, mask = _normalise(plan, x_ref, w_ref)
     plgpu.store(_tile(plan, y_ref)[0], (xhat * w[None, :]).astype(y_ref.dtype), mask=mask)
 
 
 def _rms_norm_bwd(x_ref, w_ref, dy_ref, dx_ref, dw_ref, *, plan: _Plan):
-    width = x_ref.shape[1]
-    xhat, inv_rms, w, mask, cols = _normalise(plan, x_ref, w_ref)
+    xhat, inv_rms, w, mask = _normalise(plan, x_ref, w_ref)
     dy = plgpu.load(_tile(plan, dy_ref)[0], mask=mask, other=0.0).astype(jnp.float32)
     wdy = w[None, :] * dy
     # d/dx of x·r·w with r = (mean x² + eps)^-1/2: r·(w·dy − x̂·mean(w·dy·x̂)).
-    dx = inv_rms[:, None] * (wdy - xhat * (jnp.sum(wdy * xhat, axis=1) / width)[:, None])
+    dx = inv_rms[:, None] * (wdy - xhat * (jnp.sum(wdy * xhat, axis=1) / plan.width)[:, None])
     plgpu.store(_tile(plan, dx_ref)[0], dx.astype(dx_ref.dtype), mask=mask)
-    plgpu.store(dw_ref.at[pl.program_id(0), pl.ds(0, cols.shape[0])], jnp.sum(dy * xhat, axis=0), mask=cols)
+    plgpu.store(dw_ref.at[pl.program_id(0), pl.ds(0, dw_ref.shape[1])], jnp.sum(dy * xhat, axis=0))
