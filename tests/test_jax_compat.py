@@ -19,7 +19,6 @@ def test_every_reach_resolves_on_the_installed_jax():
     found = jax_compat.reaches()
     assert callable(found["backends_started"]) and callable(found["reset_compilation_cache"])
     assert hasattr(found["distributed_state"], "client")
-    assert found["jaxlib_version"] >= (0, 10) and all(isinstance(p, int) for p in found["jaxlib_version"])
     assert isinstance(jax_compat.backends_started(), bool)
     assert jax_compat.in_distributed_run() is False  # this process joined no job
 
@@ -38,7 +37,6 @@ def test_the_orbax_barrier_flag_is_set_where_orbax_reads_it():
 
 
 @pytest.mark.parametrize("reach, module", [(jax_compat.backends_started, "jax._src.xla_bridge"),
-                                           (jax_compat.jaxlib_version, "jax._src.lib"),
                                            (lambda: jax_compat.wait_at_barrier("x", 1), "jax._src.distributed")])
 def test_a_moved_reach_is_one_line_naming_the_jax_version(monkeypatch, reach, module):
     real = importlib.import_module

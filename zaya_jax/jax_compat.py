@@ -1,7 +1,6 @@
 """The one door to what JAX and Orbax do not publish: every reach past their public APIs is here.
 
 - whether JAX has started its backends (after which XLA_FLAGS are fixed): `backends_started`;
-- the jaxlib version as a tuple: `jaxlib_version`;
 - the distributed runtime's client (barriers and key-value store without devices):
   `in_distributed_run`, `wait_at_barrier`, `key_value_set`, `key_value_dir_get`;
 - Orbax's absl flag that makes it synchronise through that runtime: `use_orbax_coordination_barriers`;
@@ -37,7 +36,6 @@ def _moved(what: str, detail: str) -> JaxInternalsMoved:
 
 # Each reach: (module, attribute, what it is, for the error when it moved).
 _BACKENDS_STARTED = ("jax._src.xla_bridge", "backends_are_initialized", "the 'backends started' query")
-_JAXLIB_VERSION = ("jax._src.lib", "version", "jaxlib's version tuple")
 _DISTRIBUTED_STATE = ("jax._src.distributed", "global_state", "the distributed runtime's state")
 _CACHE_RESET = ("jax.experimental.compilation_cache.compilation_cache", "reset_cache", "the compilation cache reset")
 
@@ -54,11 +52,6 @@ def _private(module: str, attribute: str, what: str):
 def backends_started() -> bool:
     """Whether JAX has started its backends (there is no public query)."""
     return _private(*_BACKENDS_STARTED)()
-
-
-def jaxlib_version() -> tuple[int, ...]:
-    """The installed jaxlib's version, e.g. (0, 10, 2)."""
-    return tuple(_private(*_JAXLIB_VERSION))
 
 
 def _client():
@@ -111,7 +104,6 @@ def reaches() -> dict:
 
     return {
         "backends_started": _private(*_BACKENDS_STARTED),
-        "jaxlib_version": jaxlib_version(),
         "distributed_state": _private(*_DISTRIBUTED_STATE),
         "reset_compilation_cache": _private(*_CACHE_RESET),
         "jax": jax.__version__,

@@ -20,41 +20,57 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 import re
 from typing import Callable
 
 import jax
 import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltriton
 
-from zaya_jax import jax_compat
 from zaya_jax.errors import ZayaError
 from zaya_jax.kernels import ops
-from zaya_jax.kernels.registry import GPU_TARGETS, device_target, targeting
+from zaya_jax.kernels.registry import GPU_TARGETS, targeting
 
-# The custom-call targets a Pallas Triton kernel lowers to: jaxlib <= 0.10.2 hands XLA the Triton
-# IR (`__gpu$xla.gpu.triton`); later versions compile it while lowering (`triton_kernel_call_ffi`).
+# The custom-call targets a Pallas Triton kernel lowers to: jaxlib 0.10 and 0.12 hand XLA the
+# Triton IR (`__gpu$xla.gpu.triton`); 0.11 compiles it while lowering (`triton_kernel_call_ffi`).
 _LAUNCH = re.compile(r'name = "([^"]*)", num_stages = (\d+) : i32, num_warps = (\d+) : i32')
 _TRITON_CALL = re.compile(r'custom_call @(?:"?__gpu\$xla\.gpu\.triton"?|triton_kernel_call_ffi)\(.*?name = "([^"]*)"')
 
+# The GPU each platform's lowering is for, when no GPU is here: the device kind JAX's Triton
+# lowering reads its architecture from (ZAYA1's MI300X is gfx942).
+LOWERING_DEVICE_KIND = {"cuda": "NVIDIA H100", "rocm": "gfx942"}
 
+
+def lowering_device(platform: str) -> jax.sharding.AbstractDevice:
+    """The abstract GPU a lowering for `platform` targets (newer JAX asks the mesh for it)."""
+    return jax.sharding.AbstractDevice(device_kind=LOWERING_DEVICE_KIND[check_platform(platform)],
+                                       num_cores=None, platform="gpu")
+
+
+@functools.cache
 def can_lower(platform: str) -> tuple[bool, str]:
     """(True, "") when this installation can lower Pallas kernels for `platform`, else (False, why).
 
-    jaxlib <= 0.10.2 hands XLA the Triton IR, so any machine can lower for either GPU platform.
-    Later jaxlibs compile the IR while lowering, through the platform's plugin: that needs a
-    GPU of that platform here.
+    Tried, not looked up by version: a one-block kernel is lowered. jaxlib 0.10 and 0.12 hand XLA
+    the Triton IR, so any machine can; 0.11 compiles it while lowering, through the platform's
+    plugin, which needs a GPU of that platform here.
     """
-    jaxlib_version = jax_compat.jaxlib_version()
-    if jaxlib_version <= (0, 10, 2):
-        return True, ""
+    def copy(x_ref, o_ref):
+        o_ref[...] = x_ref[...]
+
+    def kernel(x):
+        return pl.pallas_call(copy, out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype),
+                              compiler_params=pltriton.CompilerParams())(x)
+
     try:
-        here = [device_target(d) for d in jax.local_devices(backend="gpu")]
-    except RuntimeError:
-        here = []
-    if platform in here:
-        return True, ""
-    return False, (f"jaxlib {'.'.join(map(str, jaxlib_version))} compiles Triton while lowering, which needs "
-                   f"a {platform} GPU here; lowering without one needs jaxlib <= 0.10.2")
+        lower(kernel, (jax.ShapeDtypeStruct((16,), jnp.float32),), platform)
+    except Exception as e:  # whatever this JAX raises where it cannot lower without the GPU
+        why = str(e).splitlines()[0] if str(e) else type(e).__name__
+        return False, (f"jax {jax.__version__} cannot lower Pallas kernels for {platform} on this machine "
+                       f"({why}); it needs a {platform} GPU here, or jax 0.10 or 0.12")
+    return True, ""
 
 
 def check_platform(platform: str) -> str:
@@ -64,9 +80,10 @@ def check_platform(platform: str) -> str:
 
 
 def lower(fn: Callable, args, platform: str) -> str:
-    """StableHLO text of jit(fn)(*args) lowered for `platform` ('cuda' or 'rocm'), traced for that target."""
-    check_platform(platform)
-    with targeting(platform):
+    """StableHLO text of jit(fn)(*args) lowered for `platform` ('cuda' or 'rocm'), traced for that
+    target and for its lowering device (`lowering_device`)."""
+    mesh = jax.sharding.get_abstract_mesh().update(abstract_device=lowering_device(platform))
+    with targeting(platform), jax.sharding.use_abstract_mesh(mesh):
         return jax.jit(fn).trace(*args).lower(lowering_platforms=(platform,)).as_text()
 
 
@@ -77,7 +94,7 @@ def triton_calls(text: str) -> collections.Counter:
 
 def launch_params(text: str) -> set[tuple[str, int, int]]:
     """(kernel name, num_stages, num_warps) of each Triton call whose launch parameters the text
-    shows (jaxlib <= 0.10.2; later ones fold them into a compiled kernel)."""
+    shows (where the lowering hands XLA the Triton IR; jax 0.11 folds them into a compiled kernel)."""
     return {(name, int(stages), int(warps)) for name, stages, warps in _LAUNCH.findall(text)}
 
 

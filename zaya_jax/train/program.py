@@ -32,7 +32,8 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from zaya_jax.errors import ZayaError
 from zaya_jax.experiment import Experiment, load_experiment
-from zaya_jax.kernels.registry import KERNEL_FIELDS, device_target, resolve, targeting
+from zaya_jax.kernels.gpu_lowering import lowering_device
+from zaya_jax.kernels.registry import GPU_TARGETS, KERNEL_FIELDS, device_target, resolve, targeting
 from zaya_jax.parallel.mesh import mesh_for
 from zaya_jax.parallel import zigzag
 from zaya_jax.parallel.axes import SEQUENCE_AXES
@@ -166,6 +167,8 @@ class Program:
         partition can shard_map themselves over it (`parallel/batch_map.py`) and kernels are built
         for the devices the program runs on."""
         mesh = self.mesh.abstract_mesh
+        if not self.runs_here() and self.target in GPU_TARGETS:  # lowered for a GPU from elsewhere
+            mesh = mesh.update(abstract_device=lowering_device(self.target))
 
         @functools.wraps(fn)
         def traced(*args):
