@@ -42,17 +42,25 @@ def rms_norm(x, weight, *, eps, out_dtype=None, blocks=None, interpret=False):
     width = x.shape[-1]
     plan = _Plan(width, float(eps), jnp.dtype(out_dtype or x.dtype), blocks or blocks_for("rms_norm", x.dtype),
                  bool(interpret))
-    pad = pl.next_power_of_2(width) - width
-    flat = jnp.pad(x.reshape(-1, width), ((0, 0), (0, pad)))
-    y = _norm(flat, jnp.pad(weight, (0, pad)), plan)
-    return y[:, :width].reshape(x.shape)
+    return _norm(x.reshape(-1, width), weight, plan).reshape(x.shape)
+
+
+def _padded(plan: _Plan, *arrays):
+    """`arrays` with their last axis zero-padded from the true width to the tile's power of two.
+    Inside the custom VJP's rules, so differentiation never sees (or re-stages) the padding."""
+    pad = pl.next_power_of_2(plan.width) - plan.width
+    if not pad:
+        return arrays
+    return tuple(jnp.pad(a, [(0, 0)] * (a.ndim - 1) + [(0, pad)]) for a in arrays)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
 def _norm(x, weight, plan):
-    rows, width = x.shape
+    x_p, w_p = _padded(plan, x, weight)
+    rows, width = x_p.shape
     grid = (pl.cdiv(rows, plan.blocks.block_rows),)
-    return plan.call(_rms_norm_fwd, grid, jax.ShapeDtypeStruct((rows, width), plan.out_dtype), x, weight)
+    y = plan.call(_rms_norm_fwd, grid, jax.ShapeDtypeStruct((rows, width), plan.out_dtype), x_p, w_p)
+    return y[:, :plan.width]
 
 
 def _norm_fwd(x, weight, plan):
@@ -60,14 +68,14 @@ def _norm_fwd(x, weight, plan):
 
 
 def _norm_bwd(plan, residuals, dy):
-    x, weight = residuals
+    x, weight, dy = _padded(plan, *residuals, dy)
     rows, width = x.shape
     grid = (pl.cdiv(rows, plan.blocks.block_rows),)
     dx, dw_parts = plan.call(
         _rms_norm_bwd, grid,
         [jax.ShapeDtypeStruct(x.shape, x.dtype), jax.ShapeDtypeStruct((grid[0], width), jnp.float32)],
         x, weight, dy)
-    return dx, jnp.sum(dw_parts, axis=0).astype(weight.dtype)
+    return dx[:, :plan.width], jnp.sum(dw_parts, axis=0)[:plan.width].astype(weight.dtype)
 
 
 _norm.defvjp(_norm_fwd, _norm_bwd)
