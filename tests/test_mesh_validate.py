@@ -18,9 +18,8 @@ from zaya_jax import hardware
 from zaya_jax.errors import ZayaError
 from zaya_jax.parallel.axes import MESH_AXES
 from xla_test_flags import xla_flags
+from paths import ROOT, TINY
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-TINY = os.path.join(ROOT, "experiments", "tiny_cpu.py")
 SMALL = ["--config.train.seq_len=64", "--config.train.global_batch_size=8", "--config.model.num_hidden_layers=2"]
 WIDE = SMALL + ["--config.model.hidden_size=256", "--config.model.num_attention_heads=8", "--config.model.head_dim=32",
                 "--config.model.num_experts=8", "--config.model.moe_intermediate_size=256",
