@@ -38,7 +38,7 @@ from pathlib import Path
 
 import numpy as np
 
-from zaya_jax.errors import ZayaError
+from zaya_jax.errors import ZayaError, quoted
 
 BUILTIN_CORPORA = ("python-docs",)
 _BUILTIN_PREFIX = "builtin:"
@@ -378,7 +378,7 @@ class _ParquetSource(_LazyFileSource):
             return pq.ParquetFile(self._path)
         except (pa.ArrowException, OSError) as e:
             raise ZayaError(f"data file {self._path} is not a readable Parquet file "
-                            f"({_one_line(e)}); rewrite it with pyarrow or pass another file") from e
+                            f"({quoted(e)}); rewrite it with pyarrow or pass another file") from e
 
     def _read(self, index: int) -> str:
         group = int(np.searchsorted(self._group_ends, index, side="right"))
@@ -420,10 +420,6 @@ def _check_text_column(path: Path, schema, text_field: str) -> None:
                         f"(columns: {columns}); store the document text as a string column")
 
 
-def _one_line(error: Exception) -> str:
-    return " ".join(str(error).split()) or type(error).__name__
-
-
 # --- ArrayRecord ----------------------------------------------------------------------------
 
 
@@ -454,7 +450,7 @@ class _ArrayRecordSource(_LazyFileSource):
                 reader.read([0])  # a reader that failed to open says why only when used
         except (RuntimeError, ValueError, OSError) as e:
             raise ZayaError(f"data file {self._path} is not a readable ArrayRecord file "
-                            f"({_one_line(e)}); rewrite it with ArrayRecordWriter or pass another "
+                            f"({quoted(e)}); rewrite it with ArrayRecordWriter or pass another "
                             "file") from e
         if not reader.ok():
             raise ZayaError(f"data file {self._path} is not a readable ArrayRecord file; "
