@@ -4,10 +4,11 @@ For the ZAYA1-base phase-1 configuration (`experiments/zaya1_base_phase1.py`, 4 
 XLA's per-device bytes of the train step compiled for one 8-GPU node (8 fake CPU devices, abstract
 shapes) under `data 8` and `fsdp 8`, and the explorer's step time on one node (8 MI300X) and on
 ZAYA1's 128 x 8 MI300X for Zyphra's layout (pure data parallel) and each version's best layout.
-"Before" is the code at `--before` (default `BEFORE`, the last revision without those three changes),
-checked out into a temporary git worktree and run in a child process; "after" is this checkout.
+"Before" is the code at `--before` (a git revision without those three changes; the JSON names the
+one it was measured against), checked out into a temporary git worktree and run in a child
+process; "after" is this checkout.
 
-    python benchmarks/zero1_reduce_once.py --out=benchmarks/zero1_reduce_once.json
+    python benchmarks/zero1_reduce_once.py --before=REVISION --out=benchmarks/zero1_reduce_once.json
 """
 
 from __future__ import annotations
@@ -20,7 +21,6 @@ import sys
 import tempfile
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-BEFORE = "4b31d1f"  # the last revision without once-per-step reduction, ZeRO-1 and distributed Newton–Schulz
 CONFIG = "experiments/zaya1_base_phase1.py"
 NODE = ["--config.train.global_batch_size=32"]  # one node: 4 micro-batches of 8 sequences
 LAYOUTS = {"data 8": {"data": 8, "fsdp": 1}, "fsdp 8": {"data": 1, "fsdp": 8}}
@@ -35,7 +35,7 @@ from zaya_jax import hardware
 from zaya_jax.experiment import load_experiment
 from zaya_jax.explore.collectives import Network
 from zaya_jax.explore.explorer import explore
-from zaya_jax.explore.workload import Run
+from zaya_jax.explore.workload import Workload
 from zaya_jax.explore.against_xla import memory_report
 from zaya_jax.train.program import build_program
 config, node, layouts = sys.argv[1], json.loads(sys.argv[2]), json.loads(sys.argv[3])
@@ -46,7 +46,7 @@ for name, mesh in layouts.items():
     out["xla"][name] = {k: report[k] for k in ("argument_bytes", "temp_bytes")}
 hw = hardware.profile("mi300x")
 for nodes, extra in ((1, node), (128, [])):
-    run = Run.from_experiment(load_experiment(config, extra), hw, nodes, 8)
+    run = Workload.from_experiment(load_experiment(config, extra), hw, nodes, 8)
     ranked = explore(run)
     data = next(p for p in ranked if p.layout["data"] == run.devices)
     best = ranked[0]
@@ -90,7 +90,8 @@ def table(before: dict, after: dict) -> list[str]:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--before", default=BEFORE, help=f"git revision to compare against (default {BEFORE})")
+    parser.add_argument("--before", required=True,
+                        help="git revision to compare against (zero1_reduce_once.json names the one measured)")
     parser.add_argument("--out", help="write both measurements as JSON here")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:

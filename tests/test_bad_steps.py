@@ -1,7 +1,6 @@
 """Bad steps: the guard's verdicts (non-finite, spikes over its window), its history, the train
 step keeping the state of a skipped step bit for bit, and the fault drills that inject them."""
 
-import os
 
 import jax
 import jax.numpy as jnp
@@ -13,8 +12,8 @@ from zaya_jax.errors import ZayaError
 from zaya_jax.experiment import load_experiment
 from zaya_jax.train import step_guard
 from zaya_jax.train.program import build_program
+from paths import TINY
 
-TINY = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "experiments", "tiny_cpu.py")
 SETTINGS = step_guard.GuardSettings(sigmas=3.0, window=4)
 
 

@@ -6,8 +6,8 @@ import subprocess
 import sys
 
 import pytest
+from paths import ROOT
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def test_small_run_writes_json_and_markdown(tmp_path):

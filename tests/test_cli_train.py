@@ -10,9 +10,8 @@ import sys
 
 import pytest
 from xla_test_flags import TEST_XLA_FLAGS
+from paths import ROOT, TINY
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-TINY = os.path.join(ROOT, "experiments", "tiny_cpu.py")
 QUICK = ["--config.train.steps=4", "--config.optim.warmup_steps=1", "--config.train.log_every=2",
          "--config.train.global_batch_size=8", "--config.train.seq_len=32", "--config.model.num_hidden_layers=2",
          "--config.eval.batches=1", "--config.train.progress=false"]

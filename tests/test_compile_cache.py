@@ -10,9 +10,8 @@ import pytest
 from zaya_jax.experiment import load_experiment
 from zaya_jax.train import compile_cache
 from zaya_jax.train.loop import train
+from paths import TINY
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-TINY = os.path.join(ROOT, "experiments", "tiny_cpu.py")
 QUICK = ["--config.train.steps=2", "--config.train.global_batch_size=8", "--config.train.seq_len=32",
          "--config.model.num_hidden_layers=2", "--config.eval.batches=1", "--config.train.progress=false"]
 

@@ -12,8 +12,8 @@ import os
 import re
 
 import pytest
+from paths import ROOT
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 README = os.path.join(ROOT, "README.md")
 README_MAX_LINES = 200
 

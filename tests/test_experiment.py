@@ -9,10 +9,8 @@ from zaya_jax.errors import ZayaError
 from zaya_jax.experiment import base_config, load_experiment
 from zaya_jax.experiment.load import flatten, parse_override_args
 from zaya_jax.parallel.mesh import check_layout, resolve_axis_sizes
+from paths import EXPERIMENTS, TINY
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-EXPERIMENTS = os.path.join(ROOT, "experiments")
-TINY = os.path.join(EXPERIMENTS, "tiny_cpu.py")
 
 STABLE_KEYS = ["train.steps", "train.seed", "train.global_batch_size", "train.seq_len", "train.log_every",
                "checkpoint.every_steps", "model.compute_dtype", "model.hidden_size", "model.num_experts",

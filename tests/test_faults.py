@@ -21,9 +21,8 @@ from zaya_jax.train.events import read_events
 from zaya_jax.train.goodput import summarize
 from zaya_jax.train.loop import train
 from zaya_jax.train.program import build_program
+from paths import ROOT, TINY
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-TINY = os.path.join(ROOT, "experiments", "tiny_cpu.py")
 RUN = ["--config.train.log_every=1", "--config.train.progress=False", "--config.train.seq_len=32",
        "--config.train.global_batch_size=8", "--config.model.num_hidden_layers=2", "--config.optim.decay_steps=8",
        "--config.eval.batches=1", "--config.fault.spike_sigmas=0"]

@@ -8,8 +8,8 @@ import subprocess
 import sys
 
 import pytest
+from paths import ROOT
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _load(name):

@@ -4,7 +4,6 @@ gradients themselves (not only what Muon/AdamW make of them) equal to one device
 
 import functools
 import math
-import os
 
 import jax
 import jax.numpy as jnp
@@ -18,8 +17,8 @@ from zaya_jax.parallel.mesh import build_mesh
 from zaya_jax.parallel.axes import MESH_AXES
 from zaya_jax.train.program import build_program
 from zaya_jax.train.step import make_gradient_step
+from paths import TINY
 
-TINY = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "experiments", "tiny_cpu.py")
 RUN = ["--config.train.global_batch_size=16", "--config.train.seq_len=32", "--config.model.num_hidden_layers=2",
        "--config.train.loss_vocab_chunk=100", "--config.mesh.data=1"]
 

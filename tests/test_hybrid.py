@@ -3,7 +3,6 @@ recurrence written from its equations, the scan over the pattern's unit, documen
 and the config's refusals."""
 
 import dataclasses
-import os
 
 import jax
 import jax.numpy as jnp
@@ -20,8 +19,8 @@ from zaya_jax.model.layer_stack import per_layer, repeating_unit
 from zaya_jax.model.segments import sequence_info
 from zaya_jax.model.state import build_model, expected_shapes, flat_arrays
 from zaya_jax.train.checkpoints import check_compatible
+from paths import TINY
 
-TINY = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "experiments", "tiny_cpu.py")
 
 CFG = preset("tiny", num_hidden_layers=6, layer_pattern="LLC", linear_decay="retention")
 RNG = np.random.RandomState(0)

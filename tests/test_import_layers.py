@@ -22,7 +22,7 @@ LAYERS = (
     ("model",),
     ("config", "cpu_host"),
     ("kernels",),
-    ("hardware", "jax_compat", "drills", "trees"),
+    ("hardware", "jax_compat", "drills", "trees", "sizes"),
     ("errors",),
     ("exit_codes",),
 )

@@ -1,12 +1,11 @@
 """Bad `zaya launch` flags and bad start-up settings: one `zaya: error:` line, exit 2, nothing started."""
 
-import os
 
 import pytest
 
 from zaya_jax.cli import main
+from paths import TINY
 
-TINY = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "experiments", "tiny_cpu.py")
 
 
 @pytest.mark.parametrize("argv,needle", [

@@ -4,8 +4,8 @@ import json
 import os
 import subprocess
 import sys
+from paths import ROOT
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TOOL = os.path.join(ROOT, "tools", "layout_memory.py")
 
 

@@ -1,7 +1,6 @@
 """Chunked cross-entropy: equals the full-logits reference in value and gradient, and never builds [T, V]."""
 
 import math
-import os
 import re
 
 import jax
@@ -13,8 +12,8 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from zaya_jax.experiment import load_experiment
 from zaya_jax.train.loss import chunked_cross_entropy, reference_cross_entropy
 from zaya_jax.train.program import build_program
+from paths import TINY
 
-TINY = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "experiments", "tiny_cpu.py")
 
 
 def inputs(tokens, vocab, width, seed=0, dtype=jnp.float32):

@@ -14,7 +14,7 @@ from zaya_jax.explore import inventory, memory, step_time
 from zaya_jax.explore.collectives import Network, load_curves
 from zaya_jax.explore.explorer import explore, fits_nowhere_message
 from zaya_jax.explore.placement import Span, layouts, spans
-from zaya_jax.explore.workload import Run
+from zaya_jax.explore.workload import Workload
 from zaya_jax.parallel.axes import MESH_AXES
 from zaya_jax.train import flops
 
@@ -27,7 +27,7 @@ def mesh(**sizes):
 
 
 def run(cfg=TINY, hw=MI300X, nodes=1, seq=64, batch=16, accum=1, remat="none"):
-    return Run(cfg, seq, batch, accum, remat, hw, nodes, 8, vocab_chunk=64)
+    return Workload(cfg, seq, batch, accum, remat, hw, nodes, 8, vocab_chunk=64)
 
 
 def test_layouts_are_every_ordered_factorization():
@@ -157,7 +157,7 @@ def test_tensor_splits_the_lm_heads_vocabulary_and_all_reduces_its_hidden_gradie
 
 def test_step_time_and_mfu_on_one_device_are_compute_and_optimizer():
     r = run(hw=hardware.profile("cpu"), batch=8, seq=64)
-    r = Run(r.cfg, r.seq_len, r.global_batch, r.grad_accum, r.remat, r.hw, 1, 1, r.vocab_chunk)
+    r = Workload(r.cfg, r.seq_len, r.global_batch, r.grad_accum, r.remat, r.hw, 1, 1, r.vocab_chunk)
     t = step_time.predict(r, mesh(), Network(r.hw))
     assert t.exposed_comm_s == {}
     assert t.step_time_s == pytest.approx(t.compute_s + t.optimizer_s)
@@ -251,8 +251,8 @@ def test_ranking_puts_fitting_layouts_first_fastest_first():
 
 def test_no_layout_and_fits_nowhere_say_why_and_by_how_much():
     with pytest.raises(ZayaError, match=r"no layout of 3 devices .*most common reason"):
-        explore(Run(TINY, 64, 16, 1, "none", MI300X, 1, 3))
-    big = Run(preset("zaya1_base", compute_dtype="bfloat16"), 4096, 8, 1, "full", H100, 1, 1)
+        explore(Workload(TINY, 64, 16, 1, "none", MI300X, 1, 3))
+    big = Workload(preset("zaya1_base", compute_dtype="bfloat16"), 4096, 8, 1, "full", H100, 1, 1)
     preds = explore(big)
     assert not any(p.fits for p in preds)
     message = fits_nowhere_message(big, preds)

@@ -14,7 +14,7 @@ from zaya_jax import hardware
 from zaya_jax.config import preset
 from zaya_jax.explore import inventory, memory, step_time
 from zaya_jax.explore.collectives import Network
-from zaya_jax.explore.workload import Run
+from zaya_jax.explore.workload import Workload
 from zaya_jax.parallel.axes import MESH_AXES
 from zaya_jax.train import flops
 
@@ -28,7 +28,7 @@ def mesh(**sizes):
 
 
 def run(cfg=HYBRID, seq=64, batch=16, remat="none", zigzag=True):
-    return Run(cfg, seq, batch, 1, remat, H100, 1, 8, vocab_chunk=64, zigzag=zigzag)
+    return Workload(cfg, seq, batch, 1, remat, H100, 1, 8, vocab_chunk=64, zigzag=zigzag)
 
 
 def by_what(r, sizes):
@@ -166,7 +166,7 @@ def test_a_hybrids_predicted_memory_is_within_the_usual_band_of_xla():
     overrides = ["--config.train.seq_len=64", "--config.train.global_batch_size=8"]
     sizes = mesh(sequence=8)  # LASP-2 on three linear layers, K/V gathered on the CCA one
     got = validate(config, overrides, [sizes], progress=lambda m: None)[describe(sizes)]
-    predicted = memory.predict(Run.from_experiment(load_experiment(config, overrides), hardware.profile("cpu"), 1, 8),
+    predicted = memory.predict(Workload.from_experiment(load_experiment(config, overrides), hardware.profile("cpu"), 1, 8),
                                sizes)
     assert got["argument_bytes"] == pytest.approx(predicted.param_bytes + predicted.optimizer_bytes, rel=0.02)
     assert predicted.total_bytes == pytest.approx(got["argument_bytes"] + got["temp_bytes"], rel=0.2)

@@ -13,14 +13,13 @@ from zaya_jax.experiment import load_experiment
 from zaya_jax.explore import memory
 from zaya_jax.explore.placement import describe
 from zaya_jax.explore.against_xla import validate
-from zaya_jax.explore.workload import Run
+from zaya_jax.explore.workload import Workload
 from zaya_jax import hardware
 from zaya_jax.errors import ZayaError
 from zaya_jax.parallel.axes import MESH_AXES
 from xla_test_flags import xla_flags
+from paths import ROOT, TINY
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-TINY = os.path.join(ROOT, "experiments", "tiny_cpu.py")
 SMALL = ["--config.train.seq_len=64", "--config.train.global_batch_size=8", "--config.model.num_hidden_layers=2"]
 WIDE = SMALL + ["--config.model.hidden_size=256", "--config.model.num_attention_heads=8", "--config.model.head_dim=32",
                 "--config.model.num_experts=8", "--config.model.moe_intermediate_size=256",
@@ -36,7 +35,7 @@ def layout(**sizes):
     (WIDE, [layout(fsdp=2, tsp=4), layout(tensor=2, sequence=4), layout(fsdp=2, expert=2, sequence=2)]),
 ], ids=["tiny", "wide"])
 def test_predicted_state_bytes_match_xla_arguments(overrides, layouts):
-    run = Run.from_experiment(load_experiment(TINY, overrides), hardware.profile("cpu"), 1, 8)
+    run = Workload.from_experiment(load_experiment(TINY, overrides), hardware.profile("cpu"), 1, 8)
     xla = validate(TINY, overrides, layouts, progress=lambda m: None)
     for sizes in layouts:
         got = xla[describe(sizes)]

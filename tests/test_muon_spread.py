@@ -2,7 +2,6 @@
 its per-device work in the compiled optimizer update falling with the number of devices."""
 
 import math
-import os
 import re
 
 import jax
@@ -15,8 +14,8 @@ from zaya_jax.parallel.mesh import build_mesh
 from zaya_jax.parallel.muon_spread import spread_matrices
 from zaya_jax.train.muon import newton_schulz
 from zaya_jax.train.program import build_program
+from paths import TINY
 
-TINY = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "experiments", "tiny_cpu.py")
 
 
 def _mesh(**sizes):

@@ -17,8 +17,8 @@ from zaya_jax.experiment.validate import profile_window
 from zaya_jax.train.events import read_events
 from zaya_jax.train.loop import train
 from zaya_jax.train.program import build_program
+from paths import TINY
 
-TINY = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "experiments", "tiny_cpu.py")
 SMALL = ["--config.train.steps=5", "--config.train.seq_len=32", "--config.train.global_batch_size=4",
          "--config.model.num_hidden_layers=2", "--config.eval.batches=0", "--config.train.progress=False",
          "--config.mesh.data=1"]

@@ -12,7 +12,7 @@ import pytest
 
 from zaya_jax.experiment import load_experiment
 from zaya_jax.explore import memory
-from zaya_jax.explore.workload import Run
+from zaya_jax.explore.workload import Workload
 from zaya_jax.hardware import PROFILES
 from zaya_jax.train.program import build_program
 
@@ -45,7 +45,7 @@ def _xla_temporaries(policy, kernel=None) -> int:
 
 def _predicted_temporaries(policy) -> float:
     """What the explorer says XLA's temporaries hold: all but the step's inputs, plus the gradients."""
-    m = memory.predict(Run.from_experiment(_experiment(policy), PROFILES["cpu"], 1, 1), ONE_DEVICE)
+    m = memory.predict(Workload.from_experiment(_experiment(policy), PROFILES["cpu"], 1, 1), ONE_DEVICE)
     return m.activation_bytes - m.parts["inputs"] + m.grad_bytes
 
 

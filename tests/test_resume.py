@@ -17,9 +17,8 @@ from zaya_jax.errors import ZayaError
 from zaya_jax.experiment import load_experiment
 from zaya_jax.train.loop import train
 from xla_test_flags import xla_flags
+from paths import ROOT, TINY
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-TINY = os.path.join(ROOT, "experiments", "tiny_cpu.py")
 STEPS = 12
 RUN = ["--config.train.steps=12", "--config.optim.warmup_steps=2", "--config.train.log_every=1",
        "--config.train.global_batch_size=8", "--config.train.seq_len=32", "--config.model.num_hidden_layers=2",

@@ -10,7 +10,8 @@ import pyarrow.parquet as pq
 import pytest
 from array_record.python.array_record_module import ArrayRecordWriter
 
-from zaya_jax.data.sources import DocumentSource, _scan_lines, open_source
+from zaya_jax.data.file_formats import _scan_lines
+from zaya_jax.data.sources import DocumentSource, open_source
 from zaya_jax.errors import ZayaError
 
 DOCS = ["first doc", "", "zweite Übung ü", "line one\nline two", "x" * 5000]
@@ -85,7 +86,7 @@ def test_jsonl_blank_lines_text_field_and_line_numbers(tmp_path):
 
 def test_jsonl_scan_across_blocks(tmp_path, monkeypatch):
     # Blocks smaller than a line exercise lines (blank or not) that span block boundaries.
-    monkeypatch.setattr("zaya_jax.data.sources._SCAN_BLOCK", 7)
+    monkeypatch.setattr("zaya_jax.data.file_formats._SCAN_BLOCK", 7)
     path = tmp_path / "d.jsonl"
     path.write_text('{"text": "alpha beta"}\n' + " " * 20 + '\n\n{"text": "g"}\n' + " " * 9, encoding="utf-8")
     assert _all(open_source(str(path))) == ["alpha beta", "g"]
@@ -98,7 +99,7 @@ def test_jsonl_line_scan_matches_split(tmp_path, monkeypatch):
     for _ in range(300):
         data = bytes(rng.choice(b"  \n\n\tab\r") for _ in range(rng.randrange(1, 30)))
         path.write_bytes(data)
-        monkeypatch.setattr("zaya_jax.data.sources._SCAN_BLOCK", rng.randrange(1, 10))
+        monkeypatch.setattr("zaya_jax.data.file_formats._SCAN_BLOCK", rng.randrange(1, 10))
         offsets, lines = _scan_lines(path)
         pieces = data.removesuffix(b"\n").split(b"\n")
         assert offsets[0] == 0 and offsets[-1] == len(data)

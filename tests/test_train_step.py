@@ -12,7 +12,6 @@ balancer also reads the router probabilities' sums, which differ between layouts
 biases are compared across layouts on their own.
 """
 
-import os
 
 import jax
 import numpy as np
@@ -22,8 +21,8 @@ from zaya_jax.experiment import load_experiment
 from zaya_jax.train import balancing
 from zaya_jax.train.program import build_program
 from zaya_jax.train.step import make_gradient_step
+from paths import TINY
 
-TINY = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "experiments", "tiny_cpu.py")
 STEPS = 3
 NORM_RTOL = 1e-5  # the gradient norm of every step, the layouts' own fp32 summation order apart
 

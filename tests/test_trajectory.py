@@ -15,7 +15,7 @@ import jax
 import numpy as np
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from paths import ROOT
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 
 pytest.importorskip("torch")  # the torch trainer; absent where no CPU torch wheel exists (Python 3.12 CI)

@@ -24,9 +24,8 @@ from zaya_jax.errors import ZayaError
 from zaya_jax.experiment import load_experiment
 from zaya_jax.kernels import gpu_lowering, ops, reference, registry, xla_flags
 from zaya_jax.kernels.registry import targeting
+from paths import ROOT, TINY
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-TINY = os.path.join(ROOT, "experiments", "tiny_cpu.py")
 BASE = os.path.join(ROOT, "experiments", "layouts", "base.py")
 CUDNN_FLAG = "--xla_gpu_experimental_use_ragged_dot_fusion=true"
 HIPBLASLT_FLAG = "--xla_gpu_experimental_use_ragged_dot_grouped_gemm=true"

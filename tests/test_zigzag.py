@@ -17,7 +17,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from zaya_jax import hardware
 from zaya_jax.config import preset
 from zaya_jax.explore.step_time import hardware_flops
-from zaya_jax.explore.workload import Run, share
+from zaya_jax.explore.workload import Workload, share
 from zaya_jax.kernels import pallas_attention
 from zaya_jax.model.cca import PARAM_AXES, CCAttention
 from zaya_jax.model.segments import sequence_info
@@ -110,7 +110,7 @@ def test_the_explorer_prices_the_busiest_sequence_devices_attention():
     # Zigzag's explorer share comes from the same ownership function: balanced; contiguous: (2D-1)/D.
     assert zigzag.busiest_causal_share(4, True) == 1.0
     assert zigzag.busiest_causal_share(4, False) == pytest.approx(7 / 4)
-    run = Run(preset("tiny"), 4096, 8, 1, "none", hardware.profile("h100"), 1, 8)
+    run = Workload(preset("tiny"), 4096, 8, 1, "none", hardware.profile("h100"), 1, 8)
     sizes = {a: {"sequence": 8}.get(a, 1) for a in MESH_AXES}
     contiguous = dataclasses.replace(run, zigzag=False)
     assert hardware_flops(contiguous, sizes, share(contiguous, sizes)) > hardware_flops(run, sizes, share(run, sizes))

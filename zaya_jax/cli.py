@@ -8,6 +8,7 @@ import sys
 import time
 
 from zaya_jax.errors import ZayaError, raised_by_every_process
+from zaya_jax.sizes import parse_size
 
 
 def _process_started_at() -> float:
@@ -25,20 +26,10 @@ def _process_started_at() -> float:
 
 
 def _size(text: str) -> int:
-    units = {"KB": 1000, "MB": 1000**2, "GB": 1000**3, "KIB": 1024, "MIB": 1024**2, "GIB": 1024**3, "B": 1}
-    t = text.strip().upper()
-    for unit, factor in sorted(units.items(), key=lambda kv: -len(kv[0])):
-        if t.endswith(unit):
-            t, mult = t[: -len(unit)], factor
-            break
-    else:
-        mult = 1
-    try:
-        value = int(float(t) * mult)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a size like 5GB, 500MB or 1073741824") from None
-    if value <= 0:
-        raise argparse.ArgumentTypeError("size must be positive")
+    value = parse_size(text)
+    if value is None:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a size like 5GB, 500MB or 1073741824 "
+                                         "(a positive number of bytes)")
     return value
 
 

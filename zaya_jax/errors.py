@@ -21,6 +21,16 @@ class ZayaError(Exception):
         self.every_process = every_process
 
 
+def quoted(error: BaseException, *, first_line: bool = False, limit: int = 200) -> str:
+    """Another library's error, for quoting inside a one-line ZayaError: its message on one line
+    (only its first line, if asked), cut to `limit` characters; its type's name if it has none."""
+    text = str(error).strip()
+    if first_line and text:
+        text = text.splitlines()[0]
+    text = " ".join(text.split()) or type(error).__name__
+    return text if len(text) <= limit else text[:limit - 3] + "..."
+
+
 @contextlib.contextmanager
 def raised_by_every_process():
     """Checks inside look only at what every process of a job shares (the config, the global

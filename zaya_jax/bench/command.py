@@ -15,12 +15,11 @@ from zaya_jax.cpu_host import DEVICE_COUNT_FLAG
 from zaya_jax.errors import ZayaError
 from zaya_jax.explore.collectives import OPS
 from zaya_jax.parallel.axes import MESH_AXES
+from zaya_jax.sizes import parse_size
 
 KIB, MIB, GIB = 1024, 1024**2, 1024**3
 CPU_SIZES = [4 * KIB, 64 * KIB, MIB]  # fake CPU devices only check the tool: keep it to seconds
 ACCEL_SIZES = [64 * KIB * 4**k for k in range(8)]  # 64KiB .. 1GiB, where busbw levels off on GPUs
-UNITS = {"": 1, "B": 1, "KB": 1000, "MB": 1000**2, "GB": 1000**3, "KIB": KIB, "MIB": MIB, "GIB": GIB}
-
 EPILOG = """\
 examples:
   zaya bench collectives --out=collectives.json      # default mesh: fsdp = each node's devices, data = nodes
@@ -75,9 +74,8 @@ def parse_ops(text: str) -> tuple[str, ...]:
 def parse_sizes(text: str) -> list[int]:
     sizes = set()
     for item in text.split(","):
-        match = re.fullmatch(r"\s*(\d+(?:\.\d*)?)\s*([KMG]I?B|B)?\s*", item.upper())
-        value = int(float(match[1]) * UNITS[match[2] or ""]) if match else 0
-        if value <= 0:
+        value = parse_size(item)
+        if value is None:
             raise ZayaError(f"--sizes: {item.strip()!r} is not a positive size like 4KiB, 1MiB, 64MB or 4096 (bytes); "
                             "separate sizes with commas")
         sizes.add(value)

@@ -20,7 +20,7 @@ import socket
 import time
 
 from zaya_jax import jax_compat
-from zaya_jax.errors import ZayaError
+from zaya_jax.errors import ZayaError, quoted
 from zaya_jax.parallel.topology import Topology
 
 # The explicit settings, as JAX names them (JAX itself reads the first and the last).
@@ -183,7 +183,7 @@ def _exchange_nodes(environ, settings: Settings) -> Topology:
     except Exception as e:  # noqa: BLE001
         raise ZayaError(f"the {count} processes did not all report their node within "
                         f"distributed.initialization_timeout_s ({settings.initialization_timeout_s}s): "
-                        f"{' '.join(str(e).split())[:200]}") from None
+                        f"{quoted(e)}") from None
     reports = [entries.get(f"{_HOSTS_KEY}{p}") for p in range(count)]
     if any(r is None for r in reports):
         raise ZayaError(f"only {sum(r is not None for r in reports)} of {count} processes reported their node")

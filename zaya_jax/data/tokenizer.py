@@ -12,7 +12,7 @@ from pathlib import Path
 
 import numpy as np
 
-from zaya_jax.errors import ZayaError
+from zaya_jax.errors import ZayaError, quoted
 
 _EOS_NAMES = ("<|endoftext|>", "<|end_of_text|>", "</s>", "<eos>", "<|eos|>", "[SEP]")
 _PAD_NAMES = ("<pad>", "<|pad|>", "<|padding|>", "[PAD]")
@@ -103,8 +103,7 @@ def _read_hf_tokenizer(path: Path):
     try:
         return tokenizers.Tokenizer.from_file(str(path))
     except Exception as e:  # the Rust side raises a bare Exception for any parse failure
-        first_line = str(e).splitlines()[0] if str(e) else type(e).__name__
-        raise ZayaError(f"tokenizer {path} could not be parsed ({first_line}); "
+        raise ZayaError(f"tokenizer {path} could not be parsed ({quoted(e, first_line=True)}); "
                         "pass a valid Hugging Face tokenizer.json") from e
 
 

@@ -109,7 +109,7 @@ def mesh_command(args, overrides: list[str]) -> int:
     from zaya_jax.explore.collectives import Network, load_curves
     from zaya_jax.explore.explorer import explore, fits_nowhere_message
     from zaya_jax.explore.placement import describe
-    from zaya_jax.explore.workload import Run
+    from zaya_jax.explore.workload import Workload
 
     devices = _validation_devices(args) if args.validate else None
     hw = hardware.profile(args.hardware)
@@ -120,7 +120,7 @@ def mesh_command(args, overrides: list[str]) -> int:
     if args.global_batch:
         overrides.append(f"--config.train.global_batch_size={args.global_batch}")
     exp = load_experiment(args.config, overrides)
-    question = Run.from_experiment(exp, hw, args.nodes, args.gpus_per_node)
+    question = Workload.from_experiment(exp, hw, args.nodes, args.gpus_per_node)
     predictions = explore(question, Network(hw, curves))
     shown = predictions[: args.top or None]
     fitting = [p for p in predictions if p.fits]

@@ -15,7 +15,7 @@ from zaya_jax.errors import ZayaError
 from zaya_jax.explore import memory, step_time
 from zaya_jax.explore.collectives import Network
 from zaya_jax.explore.placement import describe, layouts
-from zaya_jax.explore.workload import Run
+from zaya_jax.explore.workload import Workload
 from zaya_jax.parallel.mesh import check_layout
 
 GIB = 1024 ** 3
@@ -43,7 +43,7 @@ class Prediction:
         }
 
 
-def candidates(run: Run) -> tuple[list[dict[str, int]], collections.Counter]:
+def candidates(run: Workload) -> tuple[list[dict[str, int]], collections.Counter]:
     """Layouts the model accepts on this many devices, and why the others were refused."""
     ok, refused = [], collections.Counter()
     for sizes in layouts(run.devices):
@@ -56,7 +56,7 @@ def candidates(run: Run) -> tuple[list[dict[str, int]], collections.Counter]:
     return ok, refused
 
 
-def explore(run: Run, network: Network | None = None) -> list[Prediction]:
+def explore(run: Workload, network: Network | None = None) -> list[Prediction]:
     network = network or Network(run.hw)
     sizes_list, refused = candidates(run)
     if not sizes_list:
@@ -72,7 +72,7 @@ def explore(run: Run, network: Network | None = None) -> list[Prediction]:
     return out
 
 
-def fits_nowhere_message(run: Run, predictions: list[Prediction]) -> str:
+def fits_nowhere_message(run: Workload, predictions: list[Prediction]) -> str:
     best = min(predictions, key=lambda p: p.memory.total_bytes)
     usable = memory.usable_bytes(run)
     over = best.memory.total_bytes - usable

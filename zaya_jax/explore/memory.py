@@ -28,7 +28,7 @@ import dataclasses
 import math
 
 from zaya_jax.explore import inventory
-from zaya_jax.explore.workload import Run, Share, lasp2_state_bytes, share
+from zaya_jax.explore.workload import Workload, Share, lasp2_state_bytes, share
 from zaya_jax.kernels.ops import XLA_CHUNK
 from zaya_jax.model.layer_stack import MIXERS
 
@@ -50,11 +50,11 @@ class Memory:
         return self.param_bytes + self.grad_bytes + self.optimizer_bytes + self.activation_bytes
 
 
-def usable_bytes(run: Run) -> float:
+def usable_bytes(run: Workload) -> float:
     return run.hw.hbm_gb * 1e9 * (1 - HEADROOM)
 
 
-def attention_bytes(run: Run, s: Share) -> dict[str, float]:
+def attention_bytes(run: Workload, s: Share) -> dict[str, float]:
     """Per token, the attention half of a CCA block: what it keeps for the backward."""
     cfg, b = run.cfg, run.compute_bytes
     d, qk = cfg.head_dim, (s.heads + s.kv_heads) * cfg.head_dim
@@ -71,7 +71,7 @@ def attention_bytes(run: Run, s: Share) -> dict[str, float]:
     return parts
 
 
-def linear_bytes(run: Run, s: Share) -> dict[str, float]:
+def linear_bytes(run: Workload, s: Share) -> dict[str, float]:
     """Per token, the linear-attention half of a hybrid block (`model/linear_attn.py`): what it
     keeps for the backward. No convs, no K/V gathered; the kernel keeps nothing under Pallas (its
     backward rebuilds the states), the chunked `xla` form its [C, C] scores and per-chunk states."""
@@ -96,13 +96,13 @@ def linear_bytes(run: Run, s: Share) -> dict[str, float]:
 MIXER_BYTES = {"C": attention_bytes, "L": linear_bytes}  # per layer kind (`ModelConfig.layer_kinds`)
 
 
-def over_layers(run: Run, per_kind) -> float:
+def over_layers(run: Workload, per_kind) -> float:
     """Σ over the layer kinds of (that kind's layer count) · per_kind(kind)."""
     kinds = run.cfg.layer_kinds
     return sum(kinds.count(kind) * per_kind(kind) for kind in MIXERS if kind in kinds)
 
 
-def moe_bytes(run: Run, s: Share) -> dict[str, float]:
+def moe_bytes(run: Workload, s: Share) -> dict[str, float]:
     """Per token, the MoE half of a block (EP keeps `dispatch`× rows: the gathered tokens)."""
     cfg, b = run.cfg, run.compute_bytes
     h, r = cfg.hidden_size, cfg.router_hidden_size
@@ -114,7 +114,7 @@ def moe_bytes(run: Run, s: Share) -> dict[str, float]:
     }
 
 
-def matmul_outputs_bytes(run: Run, s: Share, kind: str = "C") -> float:
+def matmul_outputs_bytes(run: Workload, s: Share, kind: str = "C") -> float:
     """Per token, what the `dots` policy keeps of a block of this kind: the plain matmuls' outputs."""
     cfg, b = run.cfg, run.compute_bytes
     qk = (s.heads + s.kv_heads) * cfg.head_dim
@@ -126,16 +126,16 @@ def matmul_outputs_bytes(run: Run, s: Share, kind: str = "C") -> float:
     return attention + moe
 
 
-def block_bytes_per_token(run: Run, s: Share, kind: str = "C") -> float:
+def block_bytes_per_token(run: Workload, s: Share, kind: str = "C") -> float:
     return sum(MIXER_BYTES[kind](run, s).values()) + sum(moe_bytes(run, s).values())
 
 
-def largest_block_per_token(run: Run, s: Share) -> float:
+def largest_block_per_token(run: Workload, s: Share) -> float:
     """Per token, the largest block of the model's layer kinds (the backward holds one at a time)."""
     return max(block_bytes_per_token(run, s, kind) for kind in MIXERS if kind in run.cfg.layer_kinds)
 
 
-def stored_per_token(run: Run, s: Share) -> float:
+def stored_per_token(run: Workload, s: Share) -> float:
     """Per token, what all blocks keep until the backward under the remat policy."""
     layers = run.cfg.num_hidden_layers
     if run.remat == "full":
@@ -147,25 +147,25 @@ def stored_per_token(run: Run, s: Share) -> float:
     return over_layers(run, lambda kind: block_bytes_per_token(run, s, kind))
 
 
-def block_input_bytes(run: Run) -> float:
+def block_input_bytes(run: Workload) -> float:
     """Per token, a block's input the layer scan carries: the fp32 residual row and router state."""
     return (run.cfg.hidden_size + run.cfg.router_hidden_size) * F32
 
 
-def moe_saved_bytes(run: Run, s: Share) -> float:
+def moe_saved_bytes(run: Workload, s: Share) -> float:
     """Per token, what the `moe` policy names: the sorted rows, the fp32 gate, up and down outputs."""
     cfg = run.cfg
     return s.dispatch * (cfg.hidden_size * run.compute_bytes + (2 * s.expert_width + cfg.hidden_size) * F32)
 
 
-def loss_bytes(run: Run, tokens: float, vocab_split: int = 1) -> float:
+def loss_bytes(run: Workload, tokens: float, vocab_split: int = 1) -> float:
     """The chunked loss's working set: fp32 hidden states, a few [tokens, chunk] logit buffers
     (a chunk of this device's slice of the vocabulary) and the per-token statistics."""
     chunk = min(run.vocab_chunk, run.cfg.vocab_size // vocab_split)
     return tokens * (run.cfg.hidden_size * F32 + 3 * chunk * F32 + 2 * F32)
 
 
-def gathered_per_layer(run: Run, sizes: dict[str, int], s: Share, kind: str = "C") -> float:
+def gathered_per_layer(run: Workload, sizes: dict[str, int], s: Share, kind: str = "C") -> float:
     """What one block of this kind gathers inside the layer schedules and a backward without remat
     reads again: TSP's buckets of its mixer's weights (its experts' ring saves nothing,
     `parallel/tsp_experts.py`) and, along the sequence, CCA's K/V or a linear layer's LASP-2 states."""
@@ -175,13 +175,13 @@ def gathered_per_layer(run: Run, sizes: dict[str, int], s: Share, kind: str = "C
     return weights + along
 
 
-def gathered_kv_bytes(run: Run, sizes: dict[str, int], s: Share) -> float:
+def gathered_kv_bytes(run: Workload, sizes: dict[str, int], s: Share) -> float:
     """One layer's K and V gathered along the sequence (tsp and sequence chunks); 0 unsplit."""
     chunks = sizes["tsp"] * sizes["sequence"]
     return s.tokens * chunks * 2 * s.kv_heads * run.cfg.head_dim * run.compute_bytes if chunks > 1 else 0.0
 
 
-def schedule_bytes(run: Run, sizes: dict[str, int], s: Share) -> dict[str, float]:
+def schedule_bytes(run: Workload, sizes: dict[str, int], s: Share) -> dict[str, float]:
     """The buffers each parallel schedule adds (fp32 weights are gathered as stored)."""
     cfg, block, kinds = run.cfg, inventory.block_groups(run.cfg), run.cfg.layer_kinds
     out: dict[str, float] = {}
@@ -205,7 +205,7 @@ def schedule_bytes(run: Run, sizes: dict[str, int], s: Share) -> dict[str, float
     return out
 
 
-def muon_temporaries(run: Run, sizes: dict[str, int]) -> float:
+def muon_temporaries(run: Workload, sizes: dict[str, int]) -> float:
     """Newton–Schulz works on one weight at a time, its matrices spread whole over the devices
     (`inventory.ns_share`): about three fp32 copies of the largest device share."""
     muon = [g for g in inventory.param_groups(run.cfg) if g.optimizer == "muon"]
@@ -213,7 +213,7 @@ def muon_temporaries(run: Run, sizes: dict[str, int]) -> float:
     return 3 * max(share) if share else 0.0
 
 
-def predict(run: Run, sizes: dict[str, int]) -> Memory:
+def predict(run: Workload, sizes: dict[str, int]) -> Memory:
     state = inventory.state_bytes(run.cfg, sizes, run.zero1)
     s = share(run, sizes)
     grads = state.grads * (2 if run.grad_accum > 1 else 1)  # the running sum and this micro-batch's

@@ -8,10 +8,10 @@ import os
 from zaya_jax.errors import ZayaError
 from zaya_jax.explore.explorer import GIB, Prediction
 from zaya_jax.explore.placement import describe
-from zaya_jax.explore.workload import Run
+from zaya_jax.explore.workload import Workload
 
 
-def header(run: Run, shown: int, total: int, fitting: int) -> str:
+def header(run: Workload, shown: int, total: int, fitting: int) -> str:
     cfg, hw = run.cfg, run.hw
     tokens = run.global_batch * run.seq_len
     return (f"{total} layouts of {run.nodes} x {run.gpus_per_node} {hw.name} ({run.devices} devices); {fitting} fit in "
@@ -61,7 +61,7 @@ def write_json(path: str, predictions: list[Prediction], xla: dict | None = None
     write_json_lines(path, rows)
 
 
-def write_plot(path: str, predictions: list[Prediction], run: Run) -> None:
+def write_plot(path: str, predictions: list[Prediction], run: Workload) -> None:
     """Memory per device against step time, one point per layout; the HBM limit as a line."""
     try:
         import matplotlib

@@ -31,7 +31,7 @@ import math
 from zaya_jax.explore import inventory
 from zaya_jax.explore.collectives import Network
 from zaya_jax.explore.placement import Span, spans
-from zaya_jax.explore.workload import Run, Share, lasp2_ends_bytes, lasp2_state_bytes, share
+from zaya_jax.explore.workload import Workload, Share, lasp2_ends_bytes, lasp2_state_bytes, share
 from zaya_jax.model.layer_stack import MIXERS
 from zaya_jax.parallel import zigzag
 from zaya_jax.parallel.axes import BATCH_AXES, SEQUENCE_AXES
@@ -64,7 +64,7 @@ class StepTime:
     hardware_flops: float  # per device per step
 
 
-def hardware_flops(run: Run, sizes: dict[str, int], s: Share) -> float:
+def hardware_flops(run: Workload, sizes: dict[str, int], s: Share) -> float:
     """FLOPs one device runs per optimizer step (forward, backward, recomputation)."""
     cfg, t, kinds = run.cfg, sizes["tensor"], run.cfg.layer_kinds
     repeated = flops.router_params(cfg)
@@ -85,14 +85,14 @@ def hardware_flops(run: Run, sizes: dict[str, int], s: Share) -> float:
     return per_token * s.tokens * run.grad_accum
 
 
-def _busiest_causal_share(run: Run, sizes: dict[str, int]) -> float:
+def _busiest_causal_share(run: Workload, sizes: dict[str, int]) -> float:
     """The slowest sequence device sets the step: 1 under zigzag (every device the same causal
     work), (2D-1)/D with D contiguous chunks (the last one's queries see nearly every key)."""
     devices = math.prod(sizes[a] for a in SEQUENCE_AXES)
     return zigzag.busiest_causal_share(devices, zigzag.zigzagged(run.zigzag, devices))
 
 
-def transfers(run: Run, sizes: dict[str, int]) -> list[Transfer]:
+def transfers(run: Workload, sizes: dict[str, int]) -> list[Transfer]:
     """Every collective of one optimizer step, per device."""
     cfg, s, where = run.cfg, share(run, sizes), spans(sizes, run.gpus_per_node)
     a, layers, b = run.grad_accum, cfg.num_hidden_layers, run.compute_bytes
@@ -135,7 +135,7 @@ def transfers(run: Run, sizes: dict[str, int]) -> list[Transfer]:
     return out
 
 
-def _lasp2_exchange(run: Run, sizes: dict[str, int], s: Share, where: dict[str, Span], passes: int) -> list[Transfer]:
+def _lasp2_exchange(run: Workload, sizes: dict[str, int], s: Share, where: dict[str, Span], passes: int) -> list[Transfer]:
     """A linear layer on a split sequence (`parallel/lasp2.py`): one all-gather of every chunk's
     memory states over the sequence axes together (and one of the chunks' last segment ids), its
     transpose a reduce-scatter in the backward. No K/V, no halo; the bytes have no S in them."""
@@ -151,7 +151,7 @@ def _lasp2_exchange(run: Run, sizes: dict[str, int], s: Share, where: dict[str, 
             Transfer(axis, "reduce_scatter", states, calls, False, "linear layers' state gradients", span)]
 
 
-def _muon_exchange(run: Run, sizes: dict[str, int], where: dict[str, Span]) -> list[Transfer]:
+def _muon_exchange(run: Workload, sizes: dict[str, int], where: dict[str, Span]) -> list[Transfer]:
     """Muon's matrices leave where their state lives for the spread and come back
     (`parallel/muon_spread`): an all-to-all over each axis that splits inside the matrices, both
     ways, and the result gathered over the axes the state is replicated on. Axes that split
@@ -181,7 +181,7 @@ def _joint_span(where: dict[str, Span], axes: tuple[str, ...]) -> Span:
     return Span(math.prod(where[x].intra for x in axes), math.prod(where[x].inter for x in axes))
 
 
-def _gradient_reductions(run: Run, sizes: dict[str, int], where: dict[str, Span]) -> list[Transfer]:
+def _gradient_reductions(run: Workload, sizes: dict[str, int], where: dict[str, Span]) -> list[Transfer]:
     """The sum of each parameter's gradient over the token-splitting axes that do not shard it
     (FSDP's and TSP's own reductions are reduce-scatters, counted with their schedules; experts
     see every token of the expert axis). With several micro-batches the `data` part runs once,
@@ -214,7 +214,7 @@ def _gradient_reductions(run: Run, sizes: dict[str, int], where: dict[str, Span]
     return out
 
 
-def optimizer_seconds(run: Run, sizes: dict[str, int]) -> float:
+def optimizer_seconds(run: Workload, sizes: dict[str, int]) -> float:
     """Muon's Newton–Schulz on each device's share of the matrices, plus one pass over the state."""
     state = inventory.state_bytes(run.cfg, sizes, run.zero1)
     stream = 3 * (state.params + state.grads + state.optimizer)  # read grads and state, write state
@@ -223,7 +223,7 @@ def optimizer_seconds(run: Run, sizes: dict[str, int]) -> float:
             + stream / (hw.hbm_tb_per_s * 1e12))
 
 
-def newton_schulz_flops(run: Run, sizes: dict[str, int]) -> float:
+def newton_schulz_flops(run: Workload, sizes: dict[str, int]) -> float:
     """Per device: each iteration of `train/muon.newton_schulz` on an m x n matrix (m <= n) is
     X·Xᵀ (2m²n), its square (2m³) and that times X (2m²n); a weight's matrices are spread whole
     over the devices (`parallel/muon_spread`), so each device runs its share."""
@@ -239,7 +239,7 @@ def newton_schulz_flops(run: Run, sizes: dict[str, int]) -> float:
     return total
 
 
-def predict(run: Run, sizes: dict[str, int], network: Network) -> StepTime:
+def predict(run: Workload, sizes: dict[str, int], network: Network) -> StepTime:
     s, hw = share(run, sizes), run.hw
     work = hardware_flops(run, sizes, s)
     compute = work / (hw.peak_bf16_tflops * 1e12 * hw.compute_efficiency)

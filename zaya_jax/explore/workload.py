@@ -1,6 +1,6 @@
-"""What one layout asks of each device: the run's shape (`Run`) and its per-device split (`Share`).
+"""What one layout asks of each device: the run's shape (`Workload`) and its per-device split (`Share`).
 
-`Run` is the question (model, sequence length, global batch, micro-batches, remat policy, the
+`Workload` is the question (model, sequence length, global batch, micro-batches, remat policy, the
 hardware and its nodes); `Share` is what one device of a layout holds of one micro-batch:
 its tokens and sequences, heads, KV heads, expert width and the keys its queries see. Also here,
 for memory and collectives alike: the size of a linear layer's LASP-2 state exchange.
@@ -22,7 +22,7 @@ FLASH_BACKENDS = ("pallas", "cudnn")  # attention kernels that never store [quer
 
 
 @dataclasses.dataclass(frozen=True)
-class Run:
+class Workload:
     cfg: ModelConfig
     seq_len: int
     global_batch: int  # sequences per optimizer step
@@ -37,7 +37,7 @@ class Run:
     zigzag: bool = True  # mesh.zigzag: causal attention balanced over the sequence devices
 
     @classmethod
-    def from_experiment(cls, exp, hw: HardwareProfile, nodes: int, gpus_per_node: int) -> "Run":
+    def from_experiment(cls, exp, hw: HardwareProfile, nodes: int, gpus_per_node: int) -> "Workload":
         c = exp.config
         return cls(exp.model, c.train.seq_len, c.train.global_batch_size, c.train.grad_accum_steps, c.train.remat,
                    hw, nodes, gpus_per_node, c.train.loss_vocab_chunk, c.optim.muon_ns_steps, c.optim.shard_over_data,
@@ -77,7 +77,7 @@ class Share:
     rows: float  # sequences of the micro-batch on this device (whole, or its chunks of each)
 
 
-def share(run: Run, sizes: dict[str, int]) -> Share:
+def share(run: Workload, sizes: dict[str, int]) -> Share:
     cfg = run.cfg
     split = math.prod(sizes[a] for a in BATCH_AXES + SEQUENCE_AXES)
     t = sizes["tensor"]
@@ -87,7 +87,7 @@ def share(run: Run, sizes: dict[str, int]) -> Share:
                  rows=run.micro_batch / math.prod(sizes[a] for a in BATCH_AXES))
 
 
-def lasp2_chunks(run: Run, sizes: dict[str, int]) -> int:
+def lasp2_chunks(run: Workload, sizes: dict[str, int]) -> int:
     """Sequence chunks a linear layer's LASP-2 exchange gathers (`parallel/lasp2.py`): 2 per
     sequence device under zigzag, 1 contiguous; 0 when no axis splits the sequence (no exchange)."""
     devices = math.prod(sizes[a] for a in SEQUENCE_AXES)
@@ -96,12 +96,12 @@ def lasp2_chunks(run: Run, sizes: dict[str, int]) -> int:
     return devices * zigzag.chunks_per_device(zigzag.zigzagged(run.zigzag, devices))
 
 
-def lasp2_state_bytes(run: Run, sizes: dict[str, int], s: Share) -> float:
+def lasp2_state_bytes(run: Workload, sizes: dict[str, int], s: Share) -> float:
     """One linear layer's all-gathered memory states: fp32 [chunks, rows, nk, g, d, d] (this
     device's KV heads, g query heads each). No sequence length in it: a chunk's state is d × d."""
     return lasp2_chunks(run, sizes) * s.rows * s.heads * run.cfg.head_dim ** 2 * F32
 
 
-def lasp2_ends_bytes(run: Run, sizes: dict[str, int], s: Share) -> float:
+def lasp2_ends_bytes(run: Workload, sizes: dict[str, int], s: Share) -> float:
     """The int32 last segment id of every gathered chunk: LASP-2's second, tiny all-gather."""
     return lasp2_chunks(run, sizes) * s.rows * 4

@@ -29,7 +29,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from zaya_jax.errors import ZayaError
+from zaya_jax.errors import ZayaError, quoted
 from zaya_jax.kernels import ops
 from zaya_jax.kernels.registry import GPU_TARGETS, targeting
 
@@ -67,7 +67,7 @@ def can_lower(platform: str) -> tuple[bool, str]:
     try:
         lower(kernel, (jax.ShapeDtypeStruct((16,), jnp.float32),), platform)
     except Exception as e:  # whatever this JAX raises where it cannot lower without the GPU
-        why = str(e).splitlines()[0] if str(e) else type(e).__name__
+        why = quoted(e, first_line=True)
         return False, (f"jax {jax.__version__} cannot lower Pallas kernels for {platform} on this machine "
                        f"({why}); it needs a {platform} GPU here, or jax 0.10 or 0.12")
     return True, ""
@@ -185,7 +185,7 @@ def lower_kernel_case(case: KernelCase, platform: str) -> collections.Counter:
         raise
     except Exception as e:  # the Triton lowering's own error, named for the kernel that raised it
         raise ZayaError(f"{case.name} does not lower for {platform}: {type(e).__name__}: "
-                        f"{str(e).splitlines()[0] if str(e) else ''}") from e
+                        f"{quoted(e, first_line=True)}") from e
     calls = triton_calls(text)
     if dict(calls) != case.expected:
         raise ZayaError(f"{case.name} lowered for {platform} to Triton calls {dict(calls)}, expected {case.expected}")

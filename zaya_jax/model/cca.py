@@ -23,6 +23,7 @@ from flax import nnx
 
 from zaya_jax import kernels
 from zaya_jax.config import ModelConfig
+from zaya_jax.model import kv_groups
 from zaya_jax.model.params import constant, make_param, normal
 from zaya_jax.model.segments import SequenceInfo, shift_right
 from zaya_jax.model.schedule import LOCAL, Schedule
@@ -152,12 +153,8 @@ def select_groups(w: dict[str, jax.Array], first, count: int, cfg: ModelConfig, 
     g, d = cfg.kv_groups, cfg.head_dim
     if isinstance(first, int) and first == 0 and count == w["wk"].shape[1] and names is None:
         return w  # every group this array holds
-    out = dict(w)
-    for name in names or w:
-        axis, width = GROUP_AXES[name]
-        size = width(g, d)
-        out[name] = jax.lax.dynamic_slice_in_dim(w[name], first * size, count * size, axis=axis)
-    return out
+    return kv_groups.select(w, first, count, {n: (axis, width(g, d)) for n, (axis, width) in GROUP_AXES.items()},
+                            names)
 
 
 def project(x: jax.Array, w: dict[str, jax.Array], seq: SequenceInfo, cfg: ModelConfig, first_group, drop: int = 0):

@@ -25,6 +25,7 @@ from flax import nnx
 
 from zaya_jax.config import ModelConfig
 from zaya_jax.kernels import ops as kernel_ops
+from zaya_jax.model import kv_groups
 from zaya_jax.model.schedule import LOCAL, Schedule
 from zaya_jax.model.params import constant, make_param, normal
 from zaya_jax.model.segments import SequenceInfo
@@ -88,14 +89,8 @@ def group_major(p: dict[str, jax.Array], cfg: ModelConfig, dtype) -> dict[str, j
 
 def select_groups(w: dict, first, count: int, cfg: ModelConfig, names=None) -> dict:
     """KV groups [first, first + count) of the entries `names` (default all); `first` may be traced."""
-    out = dict(w)
-    for name in names or w:
-        if out[name] is None:
-            continue
-        axis, width = GROUP_AXES[name]
-        size = width(cfg.kv_groups)
-        out[name] = jax.lax.dynamic_slice_in_dim(w[name], first * size, count * size, axis=axis)
-    return out
+    sizes = {n: (axis, width(cfg.kv_groups)) for n, (axis, width) in GROUP_AXES.items()}
+    return kv_groups.select(w, first, count, sizes, names)
 
 
 def project(x: jax.Array, w: dict, cfg: ModelConfig):

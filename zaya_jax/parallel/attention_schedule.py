@@ -51,7 +51,7 @@ from zaya_jax.model import cca as cca_math
 from zaya_jax.model.segments import sequence_info
 from zaya_jax.parallel import zigzag
 from zaya_jax.parallel.axes import SEQUENCE_AXES
-from zaya_jax.parallel.batch_map import axes_in_context, axis_size, schedule_map, row_spec
+from zaya_jax.parallel.batch_map import axes_in_context, axis_size, row_spec, schedule_map, tensor_groups, tracks_vma
 from zaya_jax.parallel.rules import entry_axes, keep_axes, partition_spec, spec_axes
 
 LAYOUT_AXES = ("tsp", "tensor", "sequence")  # any of these > 1 routes attention through this schedule
@@ -171,17 +171,15 @@ def _with_look_back(x, segment_ids, positions, cfg, chunks: _Chunks):
 
 
 def _tracks_vma(cfg) -> bool:
-    return resolve("attention", cfg.attention_kernel) != "pallas"  # Pallas outputs carry no vma
+    return tracks_vma("attention", cfg.attention_kernel)
 
 
 def _device_groups(params, specs, cfg, dtype):
     """Group-major weights cut to this device's KV groups: (weights, first group, group count)."""
     w = cca_math.group_major(params, cfg, dtype)
-    tensor = axis_size("tensor")
-    groups = cfg.num_key_value_heads // tensor
-    if tensor == 1:
-        return w, 0, groups
-    first = jax.lax.axis_index("tensor") * groups
+    first, groups = tensor_groups(cfg.num_key_value_heads)
+    if axis_size("tensor") == 1:
+        return w, first, groups
     replicated = [n for n, src in cca_math.SOURCE.items() if "tensor" not in spec_axes(specs[src])]
     return cca_math.select_groups(w, first, groups, cfg, replicated), first, groups
 

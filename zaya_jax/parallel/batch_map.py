@@ -40,8 +40,20 @@ def run_kernel(kernel: str, backend: str, fn, batched: tuple, replicated: tuple 
     return mapped(*batched, *replicated)
 
 
+def tracks_vma(kernel: str, backend: str) -> bool:
+    """Whether a schedule around `kernel` can check varying-manual-axes types: Pallas outputs carry none."""
+    return resolve(kernel, backend) != "pallas"
+
+
+def tensor_groups(kv_heads: int):
+    """This device's run of KV groups under `tensor`: (first, count); `first` is traced when split."""
+    tensor = axis_size("tensor")
+    groups = kv_heads // tensor
+    return (0 if tensor == 1 else jax.lax.axis_index("tensor") * groups), groups
+
+
 def schedule_map(fn, in_specs, out_specs, check_vma: bool):
-    """`jax.shard_map` of a layout schedule, manual over every axis of the ambient mesh.
+    """`jax.shard_map` of a parallel schedule, manual over every axis of the ambient mesh.
 
     Manual over the split axes only, the size-1 axes would stay automatic, and then JAX gives
     the reducer of every psum a sharding annotation that XLA's CPU compiler turns into a `copy`

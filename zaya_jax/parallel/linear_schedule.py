@@ -31,11 +31,10 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from zaya_jax.kernels import ops as kernel_ops
-from zaya_jax.kernels import resolve
 from zaya_jax.model import linear_attn as lin
 from zaya_jax.parallel.attention_schedule import gather_over_tsp, varying_weights
 from zaya_jax.parallel.axes import SEQUENCE_AXES
-from zaya_jax.parallel.batch_map import axis_size, schedule_map, row_spec
+from zaya_jax.parallel.batch_map import axis_size, row_spec, schedule_map, tensor_groups, tracks_vma
 from zaya_jax.parallel.lasp2 import lasp2
 from zaya_jax.parallel.rules import keep_axes, partition_spec, spec_axes
 
@@ -86,19 +85,18 @@ def _attend(q, k, v, segment_ids, log_decay, cfg, zigzagged: bool):
 
 
 def _tracks_vma(cfg) -> bool:
-    return resolve("linear_attention", cfg.linear_kernel) != "pallas"  # Pallas outputs carry no vma
+    return tracks_vma("linear_attention", cfg.linear_kernel)
 
 
 def _device_groups(params, specs, cfg, dtype):
     """Group-major weights cut to this device's KV groups (those `tensor` does not split already,
     and the decay, are cut here): (weights, group count)."""
     w = lin.group_major(params, cfg, dtype)
-    tensor = axis_size("tensor")
-    groups = cfg.num_key_value_heads // tensor
-    if tensor == 1:
+    first, groups = tensor_groups(cfg.num_key_value_heads)
+    if axis_size("tensor") == 1:
         return w, groups
     whole = [n for n in lin.GROUP_AXES if n not in specs or "tensor" not in spec_axes(specs[n])]
-    return lin.select_groups(w, jax.lax.axis_index("tensor") * groups, groups, cfg, whole), groups
+    return lin.select_groups(w, first, groups, cfg, whole), groups
 
 
 def _gather_bucket(wb: dict, specs: dict, names) -> dict:

@@ -13,7 +13,7 @@ import itertools
 import jax
 
 from zaya_jax import jax_compat
-from zaya_jax.errors import ZayaError
+from zaya_jax.errors import ZayaError, quoted
 
 _serial = itertools.count()
 
@@ -35,4 +35,4 @@ def barrier(name: str, timeout_s: int) -> None:
         raise
     except Exception as e:  # noqa: BLE001
         raise ZayaError(f"not every process reached {name!r} within distributed.initialization_timeout_s "
-                        f"({timeout_s}s): {' '.join(str(e).split())[:200]}") from None
+                        f"({timeout_s}s): {quoted(e)}") from None

@@ -34,7 +34,7 @@ import orbax.checkpoint as ocp
 from zaya_jax.config import COMPUTE_FIELDS, ModelConfig
 from zaya_jax.data.lanes import LaneRows, merge_states
 from zaya_jax.data.pipeline import DataSettings
-from zaya_jax.errors import ZayaError
+from zaya_jax.errors import ZayaError, quoted
 
 _META_VERSION = 2  # 2: block weights stacked on a leading layer axis (the scanned layers)
 
@@ -64,7 +64,7 @@ class RunCheckpoints:
         try:
             self._manager = ocp.CheckpointManager(self.directory, options=options, item_handlers=handlers)
         except (OSError, ValueError) as e:
-            raise ZayaError(f"cannot open the checkpoint directory {self.directory} ({_first_line(e)}); "
+            raise ZayaError(f"cannot open the checkpoint directory {self.directory} ({quoted(e, first_line=True)}); "
                             "check its permissions or choose another --workdir") from None
         self.async_save = async_save
 
@@ -232,11 +232,5 @@ def check_compatible(saved: dict, current: dict, where: str) -> None:
 
 
 def _damaged(where: str, error: Exception) -> ZayaError:
-    return ZayaError(f"checkpoint {where} could not be read ({_first_line(error)}); it is damaged or incomplete: "
-                     "move it out of the checkpoints directory to resume from the one before it")
-
-
-def _first_line(error: Exception) -> str:
-    text = str(error).strip()
-    line = text.splitlines()[0] if text else type(error).__name__
-    return line if len(line) <= 200 else line[:197] + "..."
+    return ZayaError(f"checkpoint {where} could not be read ({quoted(error, first_line=True)}); it is damaged or "
+                     "incomplete: move it out of the checkpoints directory to resume from the one before it")

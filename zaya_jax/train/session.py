@@ -23,7 +23,8 @@ from zaya_jax.train.events import EventLog
 from zaya_jax.train.export import save_model
 from zaya_jax.train.metrics_writer import MetricsWriter
 from zaya_jax.train.profiler import ProfileWindow
-from zaya_jax.train.progress import Progress, StepTimer, device_profile
+from zaya_jax.train.progress import Progress
+from zaya_jax.train.throughput import StepTimer, device_profile
 from zaya_jax.train.resume import resume_or_init
 from zaya_jax.train.routing_watch import RoutingWatch
 from zaya_jax.train.stop_signals import StopSignals
