@@ -9,7 +9,7 @@ import subprocess
 import sys
 
 import pytest
-from xla_test_flags import TEST_XLA_FLAGS
+from xla_test_flags import TEST_XLA_FLAGS, xla_flags
 from paths import ROOT, TINY
 
 QUICK = ["--config.train.steps=4", "--config.optim.warmup_steps=1", "--config.train.log_every=2",
@@ -20,8 +20,7 @@ QUICK = ["--config.train.steps=4", "--config.optim.warmup_steps=1", "--config.tr
 def zaya(*args, devices=1, flags=TEST_XLA_FLAGS):
     """`zaya ARGS` on `devices` fake CPU devices (None: as many as the config's train.cpu_devices),
     compiled with the tests' XLA `flags` (the device count aside)."""
-    env = dict(os.environ, JAX_PLATFORMS="cpu",
-               XLA_FLAGS=flags if devices is None else f"{flags} --xla_force_host_platform_device_count={devices}")
+    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=flags if devices is None else xla_flags(devices, flags))
     return subprocess.run([sys.executable, "-m", "zaya_jax", *args], capture_output=True, text=True, env=env,
                           cwd=ROOT, timeout=600)
 

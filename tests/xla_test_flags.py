@@ -24,6 +24,6 @@ if _jaxlib_minor() < (0, 11):
     TEST_XLA_FLAGS += " --xla_cpu_use_fusion_emitters=false"
 
 
-def xla_flags(devices: int) -> str:
-    """XLA_FLAGS for a test's child process with `devices` fake CPU devices."""
-    return f"{TEST_XLA_FLAGS} --xla_force_host_platform_device_count={devices}"
+def xla_flags(devices: int, base: str = TEST_XLA_FLAGS) -> str:
+    """XLA_FLAGS for a test's child process with `devices` fake CPU devices (and the `base` flags)."""
+    return f"{base} --xla_force_host_platform_device_count={devices}".strip()

@@ -3,9 +3,9 @@
 Each program owns `block_rows` rows (the last program's masked) and the whole feature width. A
 Triton tile's sides are powers of two, so a width that is not one is zero-padded to the next
 before the kernel and cut after it (zeros add nothing to Σx², and the mean divides by the true
-width); JAX refuses a static slice of a ref past its end, so the tile cannot hang over the edge. The forward writes only y; the backward recomputes 1/rms from
-x (cheaper than storing it) and writes dx plus one partial weight gradient per program, which
-XLA sums.
+width); JAX refuses a static slice of a ref past its end, so the tile cannot hang over the edge.
+The forward writes only y; the backward recomputes 1/rms from x (cheaper than storing it) and
+writes dx plus one partial weight gradient per program, which XLA sums.
 """
 
 from __future__ import annotations

@@ -46,12 +46,11 @@ import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from zaya_jax import kernels
-from zaya_jax.kernels import resolve
 from zaya_jax.model import cca as cca_math
 from zaya_jax.model.segments import sequence_info
 from zaya_jax.parallel import zigzag
 from zaya_jax.parallel.axes import SEQUENCE_AXES
-from zaya_jax.parallel.batch_map import axes_in_context, axis_size, row_spec, schedule_map, tensor_groups, tracks_vma
+from zaya_jax.parallel.batch_map import axes_in_context, axis_size, is_pallas, row_spec, schedule_map, tensor_groups
 from zaya_jax.parallel.rules import entry_axes, keep_axes, partition_spec, spec_axes
 
 LAYOUT_AXES = ("tsp", "tensor", "sequence")  # any of these > 1 routes attention through this schedule
@@ -151,7 +150,7 @@ def _offset_attention(q, k, v, segments, key_segments, chunks: _Chunks, backend)
                                     kv_segment_ids=key_segments, q_offset=chunk * chunks.size, backend=backend)
             for s, chunk in enumerate(chunks.ids(device))], axis=0)
 
-    if resolve("attention", backend) != "pallas":
+    if not is_pallas("attention", backend):
         return on(None)
     return jax.lax.switch(chunks.rank, [functools.partial(on, d) for d in range(chunks.devices)])
 
@@ -171,7 +170,7 @@ def _with_look_back(x, segment_ids, positions, cfg, chunks: _Chunks):
 
 
 def _tracks_vma(cfg) -> bool:
-    return tracks_vma("attention", cfg.attention_kernel)
+    return not is_pallas("attention", cfg.attention_kernel)  # Pallas outputs carry no vma
 
 
 def _device_groups(params, specs, cfg, dtype):

@@ -29,7 +29,7 @@ def run_kernel(kernel: str, backend: str, fn, batched: tuple, replicated: tuple 
     Only for kernels that act on each token row alone (the norm) or on whole sequences when the
     sequence axes are 1 (attention without a sequence layout; see `attention_schedule`).
     """
-    if resolve(kernel, backend) != "pallas":
+    if not is_pallas(kernel, backend):
         return fn(*batched, *replicated)
     axes = axes_in_context(BATCH_AXES + SEQUENCE_AXES)
     if not axes:
@@ -40,9 +40,9 @@ def run_kernel(kernel: str, backend: str, fn, batched: tuple, replicated: tuple 
     return mapped(*batched, *replicated)
 
 
-def tracks_vma(kernel: str, backend: str) -> bool:
-    """Whether a schedule around `kernel` can check varying-manual-axes types: Pallas outputs carry none."""
-    return resolve(kernel, backend) != "pallas"
+def is_pallas(kernel: str, backend: str) -> bool:
+    """Whether `kernel` runs as a Pallas kernel here (opaque to GSPMD; its outputs carry no vma types)."""
+    return resolve(kernel, backend) == "pallas"
 
 
 def tensor_groups(kv_heads: int):

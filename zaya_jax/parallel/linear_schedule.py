@@ -34,7 +34,7 @@ from zaya_jax.kernels import ops as kernel_ops
 from zaya_jax.model import linear_attn as lin
 from zaya_jax.parallel.attention_schedule import gather_over_tsp, varying_weights
 from zaya_jax.parallel.axes import SEQUENCE_AXES
-from zaya_jax.parallel.batch_map import axis_size, row_spec, schedule_map, tensor_groups, tracks_vma
+from zaya_jax.parallel.batch_map import axis_size, is_pallas, row_spec, schedule_map, tensor_groups
 from zaya_jax.parallel.lasp2 import lasp2
 from zaya_jax.parallel.rules import keep_axes, partition_spec, spec_axes
 
@@ -85,7 +85,7 @@ def _attend(q, k, v, segment_ids, log_decay, cfg, zigzagged: bool):
 
 
 def _tracks_vma(cfg) -> bool:
-    return tracks_vma("linear_attention", cfg.linear_kernel)
+    return not is_pallas("linear_attention", cfg.linear_kernel)  # Pallas outputs carry no vma
 
 
 def _device_groups(params, specs, cfg, dtype):

@@ -3,8 +3,9 @@
 `train.compile_cache` is `workdir` (the default: `WORKDIR/compile_cache`, so a restarted or
 resumed run loads its compiled step instead of compiling it again; or the directory JAX's own
 `JAX_COMPILATION_CACHE_DIR` names, when that is set, so a cache a cluster shares keeps working),
-`off`, or a directory that several runs share. JAX decides at a process's first compile whether it uses a cache, so `use`
-resets JAX's cache state and points it at the run's directory before the run compiles anything.
+`off`, or a directory that several runs share. JAX decides at a process's first compile whether
+it uses a cache, so `use` resets JAX's cache state and points it at the run's directory before
+the run compiles anything.
 `Hits` counts the compiles served from the cache (JAX's cache-hit monitoring event).
 """
 

@@ -14,7 +14,7 @@ for that GPU (`lower_train_step`, `tools/lower_for_gpu.py`): the Pallas → Trit
 
 With the sequence split (`tsp` x `sequence` > 1) and `mesh.zigzag` on, the program places every
 batch zigzag (`parallel/zigzag.py`): `place_batch` and `place_eval_batch` permute the columns of
-every batch key (positions and segment ids included) once, on the host, and the model's layout
+every batch key (positions and segment ids included) once, on the host, and the model's schedule
 knows it (`MeshSchedule.zigzagged`). The loss and metrics are sums over tokens: order-free.
 """
 
@@ -65,7 +65,7 @@ class Program:
         # Muon's matrices start and end where their optimizer state lives.
         held = {k: (s.spec, self.modeldef.param_shapes[k]) for k, s in self.optimizer_shardings().items()}
         self.tx, self.lr_schedule = build_optimizer(c.optim, c.train.steps, self.modeldef.param_axes,
-                                                 spread=spread_matrices(self.mesh, held))
+                                                    spread=spread_matrices(self.mesh, held))
         self.balancer = balancing.balancer(c.optim.balancer, c.optim.balance_lr, c.optim.balance_b1,
                                            c.optim.balance_b2)
         # The mesh's schedules run the layers; they look at which axes are split when traced.
@@ -105,8 +105,8 @@ class Program:
 
     def _reduction(self):
         """How the step reduces gradients over `data`: with several micro-batches, once after the
-        loop (`parallel/grad_reduction.py`); with one, GSPMD's reductions inside the backward, which XLA
-        can overlap with the layers still to differentiate (a reduction after the loop cannot)."""
+        loop (`parallel/grad_reduction.py`); with one, GSPMD's reductions inside the backward, which
+        XLA can overlap with the layers still to differentiate (a reduction after the loop cannot)."""
         if self.exp.config.train.grad_accum_steps == 1:
             return None
         return functools.partial(reduce_once, scatter=self.data_split)
@@ -158,7 +158,8 @@ class Program:
         return jax.device_put(step_guard.init(self.step_cfg.guard), self.state_shardings.guard)
 
     def jitted_train_step(self):
-        step = self._under_mesh(make_train_step(self.modeldef, self.tx, self.balancer, self.lr_schedule, self.step_cfg))
+        step = self._under_mesh(make_train_step(self.modeldef, self.tx, self.balancer, self.lr_schedule,
+                                                self.step_cfg))
         return jax.jit(step, in_shardings=(self.state_shardings, self.batch_sharding()),
                        out_shardings=(self.state_shardings, self.replicated()), donate_argnums=0)
 
