@@ -119,7 +119,6 @@ def _train(args: argparse.Namespace, extra: list[str]) -> int:
     from zaya_jax.experiment.load import load_values, unflatten
     from zaya_jax.experiment.validate import validate
     from zaya_jax.train.events import Attempt
-    from zaya_jax.train.loop import train
 
     attempt = Attempt.from_environ(os.environ, _process_started_at())
     values, source = load_values(args.config, extra)
@@ -129,6 +128,8 @@ def _train(args: argparse.Namespace, extra: list[str]) -> int:
         heartbeat_timeout_s=values["distributed.heartbeat_timeout_s"]))
     with raised_by_every_process():  # the same config on every process of a job
         exp = validate(unflatten(values), source=source)
+    from zaya_jax.train.loop import train  # after the config: a refused one answers without it
+
     summary = train(exp, args.workdir, devices=topology.order(jax.devices()), topology=topology, attempt=attempt)
     return summary["exit_code"]  # stopped early: tell the supervisor how (zaya_jax/exit_codes.py)
 

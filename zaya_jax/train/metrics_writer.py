@@ -20,12 +20,29 @@ import json
 import logging
 import math
 import os
+import sys
 from typing import Any, Iterator
 
 import numpy as np
-from tensorboardX import SummaryWriter
 
 from zaya_jax.errors import ZayaError
+
+
+def _import_summary_writer():
+    """tensorboardX imports torch when it is installed, only to name torch tensors in its type
+    hints (we pass numbers): a second of every start. Hidden for that one import, unless loaded."""
+    hide = "torch" not in sys.modules
+    if hide:
+        sys.modules["torch"] = None  # `import torch` raises ImportError while this stands
+    try:
+        from tensorboardX import SummaryWriter
+    finally:
+        if hide:
+            del sys.modules["torch"]
+    return SummaryWriter
+
+
+SummaryWriter = _import_summary_writer()
 
 # tensorboardX warns at every NaN it writes; a skipped bad step writes one on purpose.
 logging.getLogger("tensorboardX.x2num").setLevel(logging.ERROR)
