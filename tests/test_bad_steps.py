@@ -13,6 +13,7 @@ from zaya_jax.experiment import load_experiment
 from zaya_jax.train import step_guard
 from zaya_jax.train.program import build_program
 from paths import TINY
+from synthetic_batches import random_batch
 
 SETTINGS = step_guard.GuardSettings(sigmas=3.0, window=4)
 
@@ -53,12 +54,7 @@ def test_good_steps_fill_the_ring_and_bad_ones_only_count():
 
 
 def _batch(nan=False):
-    rng = np.random.default_rng(0)
-    batch = {"inputs": rng.integers(0, 259, (8, 32), dtype=np.int32),
-             "targets": rng.integers(0, 259, (8, 32), dtype=np.int32),
-             "segment_ids": np.ones((8, 32), np.int32),
-             "positions": np.broadcast_to(np.arange(32, dtype=np.int32), (8, 32)).copy(),
-             "loss_mask": np.ones((8, 32), np.float32)}
+    batch = random_batch(8, 32)
     if nan:
         batch["loss_mask"][3, 5] = np.nan  # one token of one row
     return batch

@@ -4,25 +4,15 @@ every bad input is one line on stderr, exit status 2, no traceback."""
 import json
 import os
 import re
-import struct
-import subprocess
-import sys
 
 import pytest
-from xla_test_flags import TEST_XLA_FLAGS, xla_flags
+from run_outputs import tensorboard_events
+from zaya_process import zaya
 from paths import ROOT, TINY
 
 QUICK = ["--config.train.steps=4", "--config.optim.warmup_steps=1", "--config.train.log_every=2",
          "--config.train.global_batch_size=8", "--config.train.seq_len=32", "--config.model.num_hidden_layers=2",
          "--config.eval.batches=1", "--config.train.progress=false"]
-
-
-def zaya(*args, devices=1, flags=TEST_XLA_FLAGS):
-    """`zaya ARGS` on `devices` fake CPU devices (None: as many as the config's train.cpu_devices),
-    compiled with the tests' XLA `flags` (the device count aside)."""
-    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=flags if devices is None else xla_flags(devices, flags))
-    return subprocess.run([sys.executable, "-m", "zaya_jax", *args], capture_output=True, text=True, env=env,
-                          cwd=ROOT, timeout=600)
 
 
 def test_short_run_writes_metrics_tensorboard_and_model(tmp_path):
@@ -47,8 +37,8 @@ def test_short_run_writes_metrics_tensorboard_and_model(tmp_path):
     assert all(0 < s < 0.5 for s in train[-1]["layer_prob_spread"])  # a router whose tokens differ
     assert any("eval_loss" in r for r in records)
     _assert_progress_bar(result, train, next(r["eval_loss"] for r in records if "eval_loss" in r))
-    events = list((workdir / "tensorboard").iterdir())
-    assert events and _tensorboard_tags(events[0]) >= {"loss", "lr", "grad_norm", "mfu", "tokens_per_sec"}
+    tags = {value.tag for event in tensorboard_events(workdir / "tensorboard") for value in event.summary.value}
+    assert tags >= {"loss", "lr", "grad_norm", "mfu", "tokens_per_sec"}
     assert sorted(os.listdir(workdir / "checkpoints")) == ["2", "4"]  # every 2 steps and at the end
     import zaya_jax
     import jax.numpy as jnp
@@ -141,18 +131,6 @@ def _assert_progress_bar(result, train, eval_loss):
     assert re.fullmatch(final, redraws[-1]), redraws[-1]
     assert f"step 4: held-out loss {eval_loss:.4f}" in redraws
     assert not re.search(r"train: +\d+%\|", result.stdout)  # the bar is stderr's; stdout stays a plain log
-
-
-def _tensorboard_tags(path):
-    from tensorboardX.proto import event_pb2
-
-    tags, data = set(), path.read_bytes()
-    while data:
-        (length,) = struct.unpack("<Q", data[:8])
-        event = event_pb2.Event.FromString(data[12:12 + length])
-        tags.update(v.tag for v in event.summary.value)
-        data = data[12 + length + 4:]
-    return tags
 
 
 @pytest.mark.parametrize("args, words, devices", [

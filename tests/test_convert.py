@@ -3,8 +3,6 @@
 import glob
 import json
 import os
-import subprocess
-import sys
 
 import jax.numpy as jnp
 import numpy as np
@@ -13,6 +11,7 @@ from safetensors.numpy import load_file
 
 torch = pytest.importorskip("torch")  # the reference side; absent where no CPU torch wheel exists (Python 3.12 CI)
 from hf_reference import hf_logits, hf_model
+from zaya_process import zaya
 from zaya_jax import load
 from zaya_jax.cli import main
 from zaya_jax.config import preset
@@ -229,8 +228,7 @@ def test_existing_output_is_never_overwritten(hf_dir, converted, tmp_path, capsy
 
 
 def test_console_entry_point_exit_code(tmp_path):
-    proc = subprocess.run([sys.executable, "-m", "zaya_jax", "convert", "to-hf", f"--ckpt={tmp_path}/none",
-                           f"--out={tmp_path}/o"], capture_output=True, text=True)
+    proc = zaya("convert", "to-hf", f"--ckpt={tmp_path}/none", f"--out={tmp_path}/o")
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines()[-1].startswith("zaya: error:")
     assert "Traceback" not in proc.stderr

@@ -6,8 +6,6 @@ drills (`zaya_jax/drills.py`): a SIGKILL a rank sends itself is `kill -9` of tha
 import json
 import os
 import re
-import subprocess
-import sys
 import time
 
 import numpy as np
@@ -21,24 +19,18 @@ from zaya_jax.train.events import read_events
 from zaya_jax.train.goodput import summarize
 from zaya_jax.train.loop import train
 from zaya_jax.train.program import build_program
-from paths import ROOT, TINY
+from paths import TINY
+from zaya_process import zaya
 
 RUN = ["--config.train.log_every=1", "--config.train.progress=False", "--config.train.seq_len=32",
        "--config.train.global_batch_size=8", "--config.model.num_hidden_layers=2", "--config.optim.decay_steps=8",
        "--config.eval.batches=1", "--config.fault.spike_sigmas=0"]
 
 
-def _env():
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("JAX_COORDINATOR", "JAX_NUM_PROC", "JAX_PROCESS",
-                                                                     "ZAYA_"))}
-    return dict(env, JAX_PLATFORMS="cpu")
-
-
 def _launch(workdir, steps, *extra, launch=(), timeout=480):
-    argv = [sys.executable, "-m", "zaya_jax", "launch", "-n", "2", "--cpu-devices", "2", *launch, "--", "train",
-            f"--config={TINY}", f"--workdir={workdir}", f"--config.train.steps={steps}", *RUN, *extra]
     began = time.time()
-    done = subprocess.run(argv, env=_env(), capture_output=True, text=True, timeout=timeout, cwd=ROOT)
+    done = zaya("launch", "-n", "2", "--cpu-devices", "2", *launch, "--", "train", f"--config={TINY}",
+                f"--workdir={workdir}", f"--config.train.steps={steps}", *RUN, *extra, devices=None, timeout=timeout)
     return done, time.time() - began
 
 

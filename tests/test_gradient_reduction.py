@@ -13,11 +13,11 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from zaya_jax.experiment import load_experiment
 from zaya_jax.explore.hlo_census import census, total
-from zaya_jax.parallel.mesh import build_mesh
-from zaya_jax.parallel.axes import MESH_AXES
+from meshes import fake_mesh
 from zaya_jax.train.program import build_program
 from zaya_jax.train.step import make_gradient_step
 from paths import TINY
+from synthetic_batches import random_batch
 
 RUN = ["--config.train.global_batch_size=16", "--config.train.seq_len=32", "--config.model.num_hidden_layers=2",
        "--config.train.loss_vocab_chunk=100", "--config.mesh.data=1"]
@@ -120,18 +120,9 @@ def test_logged_loss_is_the_masked_mean_of_per_token_cross_entropy():
 
 
 def _batch(program):
-    """Random tokens in 1-3 documents a row, the last rows' tails padding (segment 0, masked) and a
-    tenth of the other tokens masked: the mean is over the mask's count, not the batch's tokens."""
-    rng = np.random.default_rng(0)
-    rows, seq = program.exp.config.train.global_batch_size, program.exp.config.train.seq_len
-    segments = np.sort(rng.integers(1, 4, (rows, seq)), axis=1).astype(np.int32)
-    segments[rows // 2:, seq - seq // 4:] = 0
-    mask = (rng.random((rows, seq)) > 0.1) & (segments > 0)
-    return {"inputs": rng.integers(0, 259, (rows, seq), dtype=np.int32),
-            "targets": rng.integers(0, 259, (rows, seq), dtype=np.int32),
-            "segment_ids": segments,
-            "positions": np.tile(np.arange(seq, dtype=np.int32), (rows, 1)),
-            "loss_mask": mask.astype(np.float32)}
+    """Padding and masked tokens: the mean is over the mask's count, not the batch's tokens."""
+    config = program.exp.config.train
+    return random_batch(config.global_batch_size, config.seq_len, padded_tails=True)
 
 
 def _gradients(accum, *extra, **mesh):
@@ -177,7 +168,7 @@ def test_reduced_gradients_and_their_norm_equal_one_devices(accum, mesh, extra):
 
 
 def test_census_counts_a_collective_once_per_loop_iteration_and_names_its_axes():
-    mesh = build_mesh({a: 2 if a in ("data", "tsp") else 1 for a in MESH_AXES}, jax.devices()[:4])
+    mesh = fake_mesh(data=2, tsp=2)
 
     def body(x):
         def step(_, y):

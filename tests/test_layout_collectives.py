@@ -20,17 +20,12 @@ from zaya_jax.config import preset
 from zaya_jax.model.cca import PARAM_AXES, CCAttention
 from zaya_jax.model.segments import sequence_info
 from zaya_jax.parallel import attention_schedule, experts_schedule
-from zaya_jax.parallel.axes import MESH_AXES
-from zaya_jax.parallel.mesh import build_mesh
+from meshes import fake_mesh
 from zaya_jax.parallel.rules import named_sharding
 
 CFG = preset("tiny", attention_kernel="xla", moe_kernel="xla", norm_kernel="xla")
 B, S = 8, 64
 OPS = ("all_gather", "all_reduce", "reduce_scatter", "collective_permute", "all_to_all")
-
-
-def _mesh(**layout):
-    return build_mesh({a: layout.get(a, 1) for a in MESH_AXES}, jax.devices())
 
 
 def _abstract(mesh):
@@ -85,7 +80,7 @@ def _replicated_attention_elements(mesh, attn):
 
 def test_tsp_attention_gathers_one_bucket_at_a_time_and_never_all_reduces_activations():
     d = 8
-    mesh = _mesh(tsp=d)
+    mesh = fake_mesh(tsp=d)
     attn, _, x, ints, _ = _abstract(mesh)
     buckets = CFG.num_key_value_heads  # one KV group per bucket
     written, compiled, _ = _collectives(_attention(mesh), attn, x, ints, ints)
@@ -103,7 +98,7 @@ def test_tsp_attention_gathers_one_bucket_at_a_time_and_never_all_reduces_activa
 
 def test_tsp_experts_ring_has_only_permutes():
     d = 8
-    mesh = _mesh(tsp=d)
+    mesh = fake_mesh(tsp=d)
     _, experts, x, ints, floats = _abstract(mesh)
     written, compiled, _ = _collectives(_experts(mesh), x, ints, floats, *experts)
     assert written == compiled == {"collective_permute": 3 * (d - 1)}  # gate, up, down slices, D-1 hops
@@ -117,7 +112,7 @@ def test_tsp_experts_ring_has_only_permutes():
 @pytest.mark.parametrize("zigzagged", [False, True], ids=["contiguous", "zigzag"])
 @pytest.mark.parametrize("layout", [dict(sequence=8), dict(tensor=2, sequence=4)], ids=str)
 def test_sequence_attention_gathers_keys_and_values_once(layout, zigzagged):
-    mesh = _mesh(**layout)
+    mesh = fake_mesh(**layout)
     attn, _, x, ints, _ = _abstract(mesh)
     written, _, _ = _collectives(_attention(mesh, zigzagged), attn, x, ints, ints)
     tensor_sums = 1 if layout.get("tensor", 1) > 1 else 0  # Megatron's one all-reduce of the output
@@ -128,7 +123,7 @@ def test_sequence_attention_gathers_keys_and_values_once(layout, zigzagged):
 
 
 def test_expert_parallel_dispatch_is_all_gather_and_reduce_scatter():
-    mesh = _mesh(expert=4, data=2)
+    mesh = fake_mesh(expert=4, data=2)
     _, experts, x, ints, floats = _abstract(mesh)
     written, compiled, _ = _collectives(_experts(mesh), x, ints, floats, *experts)
     assert written == compiled == {"all_gather": 3, "reduce_scatter": 1}  # tokens, choices, weights; outputs
@@ -161,7 +156,7 @@ def _state_gathers(fn, args):
 
 @pytest.mark.parametrize("zigzagged", [False, True], ids=["contiguous", "zigzag"])
 def test_lasp2_exchanges_one_state_all_gather_per_linear_layer_whatever_the_length(zigzagged):
-    mesh = _mesh(sequence=8)
+    mesh = fake_mesh(sequence=8)
     layer, args = _linear(mesh, S, zigzagged)
     written, _, _ = _collectives(layer, *args)
     # One all-gather of every chunk's states and one of their last segment ids; no K/V, no permute.
@@ -180,7 +175,7 @@ def test_lasp2_exchanges_one_state_all_gather_per_linear_layer_whatever_the_leng
 
 
 def test_tsp_linear_attention_gathers_each_weight_slice_once_and_never_all_reduces_activations():
-    mesh = _mesh(tsp=8)
+    mesh = fake_mesh(tsp=8)
     layer, args = _linear(mesh, S, zigzagged=True)
     buckets = CFG.num_key_value_heads
     written, compiled, _ = _collectives(layer, *args)

@@ -15,11 +15,10 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from zaya_jax.config import preset
 from zaya_jax.model.schedule import LOCAL
-from zaya_jax.parallel.mesh import build_mesh
 from zaya_jax.model.segments import positions_from_segments
 from zaya_jax.parallel import zigzag
 from zaya_jax.parallel.mesh_schedule import MESH, ZIGZAG
-from zaya_jax.parallel.axes import MESH_AXES
+from meshes import fake_mesh
 from zaya_jax.parallel.rules import named_sharding
 from zaya_jax.train.flat_model import init_arrays, model_def
 
@@ -100,8 +99,7 @@ LAYOUTS = [dict(tsp=8), dict(sequence=4, data=2), dict(tensor=2, sequence=4), di
 
 @pytest.mark.parametrize("layout", LAYOUTS, ids=lambda d: "x".join(f"{k}{v}" for k, v in d.items()))
 def test_layout_equals_one_device(single, layout):
-    sizes = {a: layout.get(a, 1) for a in MESH_AXES}
-    mesh = build_mesh(sizes, jax.devices())
+    mesh = fake_mesh(**layout)
     _assert_equal(_value_and_grad(CFG, mesh), single)
 
 
@@ -121,8 +119,7 @@ PALLAS = dict(attention_kernel="pallas", moe_kernel="pallas", norm_kernel="palla
 def test_layout_with_pallas_kernels_equals_one_device(single, layout):
     # Attention runs one static-offset kernel branch per sequence chunk (lax.switch on the rank);
     # the experts' grouped matmuls run per device inside the expert dispatch and the TSP ring.
-    sizes = {a: layout.get(a, 1) for a in MESH_AXES}
-    _assert_equal(_value_and_grad(CFG.replace(**PALLAS), build_mesh(sizes, jax.devices())), single)
+    _assert_equal(_value_and_grad(CFG.replace(**PALLAS), fake_mesh(**layout)), single)
 
 
 # Zigzag (parallel/zigzag.py): 2D = 8 chunks of 3 tokens, device p holding chunks p and 7-p.
@@ -148,15 +145,14 @@ def single_packed():
 @pytest.mark.parametrize("layout", [dict(sequence=4, data=2), dict(tsp=2, sequence=2, data=2)],
                          ids=["sequence4xdata2", "tsp2xsequence2xdata2"])
 def test_zigzag_layout_equals_one_device(single_packed, layout):
-    sizes = {a: layout.get(a, 1) for a in MESH_AXES}
-    mesh = build_mesh(sizes, jax.devices())
+    mesh = fake_mesh(**layout)
     _assert_equal(_value_and_grad(CFG, mesh, _zigzag_inputs(), ZIGZAG), single_packed)
 
 
 @pytest.mark.slow
 def test_zigzag_layout_with_pallas_attention_equals_one_device(single_packed):
     # Pallas takes static offsets: one lax.switch branch per device, two kernel calls in each.
-    mesh = build_mesh({a: dict(sequence=4, data=2).get(a, 1) for a in MESH_AXES}, jax.devices())
+    mesh = fake_mesh(sequence=4, data=2)
     _assert_equal(_value_and_grad(CFG.replace(attention_kernel="pallas"), mesh, _zigzag_inputs(), ZIGZAG),
                   single_packed)
 
@@ -177,12 +173,11 @@ def single_hybrid():
 ], ids=lambda v: "x".join(f"{k}{n}" for k, n in v.items()) if isinstance(v, dict) else
     ("zigzag" if v.zigzagged else "contiguous"))
 def test_hybrid_layout_equals_one_device(single_hybrid, layout, placement):
-    sizes = {a: layout.get(a, 1) for a in MESH_AXES}
-    mesh = build_mesh(sizes, jax.devices())
+    mesh = fake_mesh(**layout)
     _assert_equal(_value_and_grad(HYBRID, mesh, _zigzag_inputs(), placement), single_hybrid)
 
 
 def test_hybrid_layout_with_the_pallas_linear_kernel_equals_one_device(single_hybrid):
-    mesh = build_mesh({a: dict(sequence=4, data=2).get(a, 1) for a in MESH_AXES}, jax.devices())
+    mesh = fake_mesh(sequence=4, data=2)
     _assert_equal(_value_and_grad(HYBRID.replace(linear_kernel="pallas"), mesh, _zigzag_inputs(), ZIGZAG),
                   single_hybrid)

@@ -16,14 +16,11 @@ from zaya_jax.explore.explorer import explore, fits_nowhere_message
 from zaya_jax.explore.placement import Span, layouts, spans
 from zaya_jax.explore.workload import Workload
 from zaya_jax.parallel.axes import MESH_AXES
+from meshes import mesh_sizes
 from zaya_jax.train import flops
 
 TINY = preset("tiny", compute_dtype="float32")
 MI300X, H100 = hardware.profile("mi300x"), hardware.profile("h100")
-
-
-def mesh(**sizes):
-    return {a: sizes.get(a, 1) for a in MESH_AXES}
 
 
 def run(cfg=TINY, hw=MI300X, nodes=1, seq=64, batch=16, accum=1, remat="none"):
@@ -37,13 +34,13 @@ def test_layouts_are_every_ordered_factorization():
 
 
 def test_spans_place_chatty_axes_inside_a_node():
-    assert spans(mesh(data=128, fsdp=8), 8) == {**{a: Span(1, 1) for a in MESH_AXES}, "fsdp": Span(8, 1),
+    assert spans(mesh_sizes(data=128, fsdp=8), 8) == {**{a: Span(1, 1) for a in MESH_AXES}, "fsdp": Span(8, 1),
                                                "data": Span(1, 128)}
-    s = spans(mesh(data=64, tsp=16), 8)
+    s = spans(mesh_sizes(data=64, tsp=16), 8)
     assert s["tsp"] == Span(8, 2) and s["data"] == Span(1, 64)
-    s = spans(mesh(data=64, sequence=2, fsdp=8), 8)  # fsdp is placed inside sequence
+    s = spans(mesh_sizes(data=64, sequence=2, fsdp=8), 8)  # fsdp is placed inside sequence
     assert s["fsdp"] == Span(8, 1) and s["sequence"] == Span(1, 2) and s["data"] == Span(1, 64)
-    s = spans(mesh(tensor=2, expert=4), 8)
+    s = spans(mesh_sizes(tensor=2, expert=4), 8)
     assert s["tensor"] == Span(2, 1) and s["expert"] == Span(4, 1)
 
 
@@ -104,28 +101,28 @@ def test_state_bytes_by_hand():
     cfg = TINY  # H 64, 4 heads / 2 KV of 16, 4 experts x 32, router 16, vocab 256, 2 layers
     groups = inventory.param_groups(cfg)
     total = sum(g.count * g.elements for g in groups)
-    one = inventory.state_bytes(cfg, mesh())
+    one = inventory.state_bytes(cfg, mesh_sizes())
     biases = cfg.num_hidden_layers * (cfg.num_experts + 1) * 4
     muon = sum(g.count * g.elements for g in groups if g.optimizer == "muon")
     assert one.params == 4 * total + biases and one.grads == 4 * total
     assert one.optimizer == 4 * muon + 8 * (total - muon) + 2 * biases
     # fsdp 2 halves every parameter with a hidden (`embed`) dimension; tsp 2 halves the experts on their width.
     experts = next(g for g in groups if g.path.endswith("experts/gate"))
-    assert inventory.local_bytes(experts, mesh(fsdp=2)) == 4 * 4 * 64 * 32 / 2
-    assert inventory.local_bytes(experts, mesh(tsp=2)) == 4 * 4 * 64 * 32 / 2
-    assert inventory.local_bytes(experts, mesh(expert=4, fsdp=2), gathered=("fsdp",)) == 1 * 64 * 32 * 4  # one expert
+    assert inventory.local_bytes(experts, mesh_sizes(fsdp=2)) == 4 * 4 * 64 * 32 / 2
+    assert inventory.local_bytes(experts, mesh_sizes(tsp=2)) == 4 * 4 * 64 * 32 / 2
+    assert inventory.local_bytes(experts, mesh_sizes(expert=4, fsdp=2), gathered=("fsdp",)) == 1 * 64 * 32 * 4  # one expert
     router = next(g for g in groups if g.path.endswith("router/fc1"))
-    assert inventory.shard_count(router, mesh(fsdp=2, tsp=2)) == 1  # no hidden dimension: replicated
+    assert inventory.shard_count(router, mesh_sizes(fsdp=2, tsp=2)) == 1  # no hidden dimension: replicated
 
 
 def test_remat_full_keeps_only_block_inputs():
     r = run(remat="full", batch=16, seq=64)
-    m = memory.predict(r, mesh(data=8))
+    m = memory.predict(r, mesh_sizes(data=8))
     tokens = 16 * 64 / 8
     assert m.parts["stored_activations"] == tokens * TINY.num_hidden_layers * (64 + 16) * 4
-    none = memory.predict(run(remat="none"), mesh(data=8))
+    none = memory.predict(run(remat="none"), mesh_sizes(data=8))
     assert none.parts["stored_activations"] > 5 * m.parts["stored_activations"]
-    assert memory.predict(run(remat="full", accum=2), mesh(data=8)).grad_bytes == 2 * m.grad_bytes
+    assert memory.predict(run(remat="full", accum=2), mesh_sizes(data=8)).grad_bytes == 2 * m.grad_bytes
 
 
 def test_flops_are_the_models_plus_recomputation():
@@ -133,23 +130,23 @@ def test_flops_are_the_models_plus_recomputation():
     tokens = 8 * 64
     model = flops.training_flops_per_token(TINY, 64).total
     head = TINY.vocab_size * TINY.hidden_size
-    hw = step_time.hardware_flops(r, mesh(), step_time.share(r, mesh()))
+    hw = step_time.hardware_flops(r, mesh_sizes(), step_time.share(r, mesh_sizes()))
     assert hw == pytest.approx(tokens * (model + 2 * head))  # the chunked loss recomputes its logits
     full = run(remat="full", batch=8, seq=64)
     block_forward = 2 * (flops.matmul_params_per_token(TINY) - head) + flops.attention_flops_per_token(TINY, 64) / 3
-    assert step_time.hardware_flops(full, mesh(), step_time.share(full, mesh())) == pytest.approx(
+    assert step_time.hardware_flops(full, mesh_sizes(), step_time.share(full, mesh_sizes())) == pytest.approx(
         hw + tokens * block_forward)  # full remat runs every block's forward twice
 
 
 def test_tensor_splits_the_lm_heads_vocabulary_and_all_reduces_its_hidden_gradient_once_per_micro_batch():
     r = run(remat="none", batch=8, seq=64, accum=2)
-    one, split = (step_time.hardware_flops(r, m, step_time.share(r, m)) for m in (mesh(), mesh(tensor=2)))
+    one, split = (step_time.hardware_flops(r, m, step_time.share(r, m)) for m in (mesh_sizes(), mesh_sizes(tensor=2)))
     # Per device (tensor splits no tokens): everything but the router halves, the head's 8·V·H per token too.
-    assert inventory.vocab_split(TINY, mesh(tensor=2)) == 2 and inventory.vocab_split(TINY, mesh()) == 1
+    assert inventory.vocab_split(TINY, mesh_sizes(tensor=2)) == 2 and inventory.vocab_split(TINY, mesh_sizes()) == 1
     repeated = 2 * flops.router_params(TINY) * TINY.num_hidden_layers * 3
     tokens = 8 * 64  # per step: 2 micro-batches of 4 x 64
     assert one - split == pytest.approx(tokens * ((one / tokens - repeated) / 2))
-    loss = [t for t in step_time.transfers(r, mesh(tensor=2)) if "vocabulary-parallel" in t.what]
+    loss = [t for t in step_time.transfers(r, mesh_sizes(tensor=2)) if "vocabulary-parallel" in t.what]
     assert len(loss) == 1 and loss[0].calls == 2 and loss[0].nbytes == 4 * 64 * TINY.hidden_size * 4
     chunk = min(r.vocab_chunk, TINY.vocab_size // 2)
     assert memory.loss_bytes(r, 100, 2) == 100 * (TINY.hidden_size * 4 + 3 * chunk * 4 + 8)
@@ -158,7 +155,7 @@ def test_tensor_splits_the_lm_heads_vocabulary_and_all_reduces_its_hidden_gradie
 def test_step_time_and_mfu_on_one_device_are_compute_and_optimizer():
     r = run(hw=hardware.profile("cpu"), batch=8, seq=64)
     r = Workload(r.cfg, r.seq_len, r.global_batch, r.grad_accum, r.remat, r.hw, 1, 1, r.vocab_chunk)
-    t = step_time.predict(r, mesh(), Network(r.hw))
+    t = step_time.predict(r, mesh_sizes(), Network(r.hw))
     assert t.exposed_comm_s == {}
     assert t.step_time_s == pytest.approx(t.compute_s + t.optimizer_s)
     assert t.compute_s == pytest.approx(t.hardware_flops / 1e12)  # the nominal 1 TFLOP/s at efficiency 1
@@ -171,23 +168,23 @@ def _gradient_transfers(r, sizes):
 
 def test_gradients_reduce_over_the_axes_that_do_not_shard_them():
     r = run(batch=16, accum=4)
-    grads = inventory.state_bytes(TINY, mesh()).grads
+    grads = inventory.state_bytes(TINY, mesh_sizes()).grads
     # Over data once per step (parallel/grad_reduction.py), whatever the micro-batch count: ZeRO-1
     # reduce-scatters every gradient onto its optimizer shard and gathers the updated weights.
     # (A weight with no dimension that 8 divides keeps its state whole: all-reduced.)
-    zero1 = {tr.op: tr for tr in _gradient_transfers(r, mesh(data=8))}
+    zero1 = {tr.op: tr for tr in _gradient_transfers(r, mesh_sizes(data=8))}
     assert set(zero1) == {"reduce_scatter", "all_gather", "all_reduce"} and {tr.axis for tr in zero1.values()} == {"data"}
     assert all(tr.calls == 1 and not tr.overlappable for tr in zero1.values())
     assert zero1["reduce_scatter"].nbytes + zero1["all_reduce"].nbytes == pytest.approx(grads)
     assert zero1["all_gather"].nbytes == zero1["reduce_scatter"].nbytes > 0.99 * grads
-    whole, = _gradient_transfers(dataclasses.replace(r, zero1=False), mesh(data=8))
+    whole, = _gradient_transfers(dataclasses.replace(r, zero1=False), mesh_sizes(data=8))
     assert (whole.axis, whole.op, whole.calls) == ("data", "all_reduce", 1) and whole.nbytes == pytest.approx(grads)
-    fsdp = _gradient_transfers(r, mesh(fsdp=8))
+    fsdp = _gradient_transfers(r, mesh_sizes(fsdp=8))
     ops = {(tr.axis, tr.op) for tr in fsdp}
     assert ("fsdp", "all_gather") in ops and ("fsdp", "reduce_scatter") in ops
     small = [tr for tr in fsdp if tr.op == "all_reduce"]  # router weights have no hidden dim to shard
     assert small and all(tr.axis == "fsdp" for tr in small)
-    ep = {(tr.axis, tr.op) for tr in _gradient_transfers(r, mesh(expert=4, data=2))}
+    ep = {(tr.axis, tr.op) for tr in _gradient_transfers(r, mesh_sizes(expert=4, data=2))}
     assert ("expert", "all_gather") in ep and ("expert", "reduce_scatter") in ep
 
 
@@ -198,7 +195,7 @@ def test_muon_matrices_move_by_all_to_all_over_the_axes_inside_them_and_nothing_
     # tsp 8: a weight split inside its matrices (hidden or width) goes there and back as its shard;
     # one the rules leave whole (the router's) is replicated: each device takes its part, and the
     # results are gathered.
-    sizes = mesh(tsp=8)
+    sizes = mesh_sizes(tsp=8)
     tsp = moves(sizes)
     split = {g for g in muon if "tsp" in inventory.sharded_axes(g, sizes)}
     assert split and split != set(muon)
@@ -208,7 +205,7 @@ def test_muon_matrices_move_by_all_to_all_over_the_axes_inside_them_and_nothing_
         sum(g.count * inventory.local_bytes(g, sizes) for g in set(muon) - split))
     # expert 4: the experts are split between whole matrices (nothing moves); the rest is replicated,
     # so each device takes its part and the results are gathered.
-    sizes = mesh(expert=4)
+    sizes = mesh_sizes(expert=4)
     ep = moves(sizes)
     assert set(ep) == {("expert", "all_gather")}
     assert ep["expert", "all_gather"].nbytes == pytest.approx(
@@ -217,23 +214,23 @@ def test_muon_matrices_move_by_all_to_all_over_the_axes_inside_them_and_nothing_
 
 def test_exposed_communication_overlaps_only_where_the_schedule_allows():
     r = run(batch=64, seq=64)
-    t = step_time.predict(r, mesh(tensor=2, data=4), Network(MI300X))
+    t = step_time.predict(r, mesh_sizes(tensor=2, data=4), Network(MI300X))
     assert t.exposed_comm_s["tensor"] > 0  # activations between dependent matmuls: never hidden
     net = Network(MI300X)
     cost = lambda trs: sum(tr.calls * net.time(tr.op, tr.nbytes, tr.span) for tr in trs)  # noqa: E731
     looped = run(batch=64, seq=64, accum=4)  # data's one reduction comes after the loop: nothing to hide behind
-    after_loop = step_time.predict(looped, mesh(data=8), net)
-    assert after_loop.exposed_comm_s["data"] == pytest.approx(cost(step_time.transfers(looped, mesh(data=8))))
+    after_loop = step_time.predict(looped, mesh_sizes(data=8), net)
+    assert after_loop.exposed_comm_s["data"] == pytest.approx(cost(step_time.transfers(looped, mesh_sizes(data=8))))
     # One micro-batch: the reduction stays in the backward and hides; ZeRO-1's weight gather does not.
-    one = step_time.predict(r, mesh(data=8), net)
-    trs = step_time.transfers(r, mesh(data=8))
-    assert {(tr.op, tr.overlappable) for tr in _gradient_transfers(r, mesh(data=8))} == {("all_reduce", True),
+    one = step_time.predict(r, mesh_sizes(data=8), net)
+    trs = step_time.transfers(r, mesh_sizes(data=8))
+    assert {(tr.op, tr.overlappable) for tr in _gradient_transfers(r, mesh_sizes(data=8))} == {("all_reduce", True),
                                                                                        ("all_gather", False)}
     fixed, hideable = cost([tr for tr in trs if not tr.overlappable]), cost([tr for tr in trs if tr.overlappable])
     assert one.exposed_comm_s["data"] == pytest.approx(fixed + max(0.0, hideable - one.compute_s))
-    hidden = step_time.predict(r, mesh(fsdp=8), net)  # FSDP's gathers and reductions overlap compute
-    transfers = step_time.transfers(r, mesh(fsdp=8))
-    assert all(tr.overlappable for tr in _gradient_transfers(r, mesh(fsdp=8)))
+    hidden = step_time.predict(r, mesh_sizes(fsdp=8), net)  # FSDP's gathers and reductions overlap compute
+    transfers = step_time.transfers(r, mesh_sizes(fsdp=8))
+    assert all(tr.overlappable for tr in _gradient_transfers(r, mesh_sizes(fsdp=8)))
     fixed = cost([tr for tr in transfers if not tr.overlappable])  # Muon's exchange, after the backward
     assert fixed > 0 and all(tr.what.startswith("Muon") for tr in transfers if not tr.overlappable)
     total = cost([tr for tr in transfers if tr.overlappable])

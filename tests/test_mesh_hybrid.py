@@ -15,16 +15,12 @@ from zaya_jax.config import preset
 from zaya_jax.explore import inventory, memory, step_time
 from zaya_jax.explore.collectives import Network
 from zaya_jax.explore.workload import Workload
-from zaya_jax.parallel.axes import MESH_AXES
+from meshes import mesh_sizes
 from zaya_jax.train import flops
 
 TINY = preset("tiny", compute_dtype="float32")  # H 64, 4 heads / 2 KV of 16, 2 layers
 HYBRID = TINY.replace(layer_pattern="LC")  # layer 0 linear attention, layer 1 CCA
 H100 = hardware.profile("h100")
-
-
-def mesh(**sizes):
-    return {a: sizes.get(a, 1) for a in MESH_AXES}
 
 
 def run(cfg=HYBRID, seq=64, batch=16, remat="none", zigzag=True):
@@ -51,21 +47,21 @@ def test_stacked_weights_count_the_layers_of_their_kind_as_the_model_stores_them
     biases, inert = 8 * (cfg.num_experts + 1), cfg.router_hidden_size  # as test_state_bytes_by_hand
     total = sum(g.count * g.elements for g in groups)
     assert total == sum(math.prod(s) for s in expected_shapes(cfg).values()) - biases + inert
-    assert inventory.state_bytes(cfg, mesh()).grads == 4 * total
+    assert inventory.state_bytes(cfg, mesh_sizes()).grads == 4 * total
 
 
 def test_an_all_cca_pattern_prices_exactly_as_before_hybrid_pricing():
     # (total bytes, hardware FLOPs, step seconds) per device, pinned from the all-CCA explorer: pricing
     # linear-attention layers must leave a model without them exactly where it was.
     before = [
-        ("none", mesh(data=8), 4105832.0, 58875904.0, 4.3898583669271964e-05),
-        ("none", mesh(tsp=8), 4848840.0, 58875904.0, 0.0004449143903723419),
-        ("none", mesh(sequence=8), 5598264.0, 58875904.0, 6.236358968957694e-05),
-        ("none", mesh(tensor=2, sequence=4), 6056472.0, 61358080.0, 0.00022907416569410715),
-        ("dots", mesh(data=8), 2977384.0, 60973056.0, 4.3898583669271964e-05),
-        ("dots", mesh(tsp=8), 3073224.0, 60973056.0, 0.0004449143903723419),
-        ("dots", mesh(sequence=8), 3945528.0, 60973056.0, 6.236358968957694e-05),
-        ("dots", mesh(tensor=2, sequence=4), 4164120.0, 63455232.0, 0.00022907416569410713),
+        ("none", mesh_sizes(data=8), 4105832.0, 58875904.0, 4.3898583669271964e-05),
+        ("none", mesh_sizes(tsp=8), 4848840.0, 58875904.0, 0.0004449143903723419),
+        ("none", mesh_sizes(sequence=8), 5598264.0, 58875904.0, 6.236358968957694e-05),
+        ("none", mesh_sizes(tensor=2, sequence=4), 6056472.0, 61358080.0, 0.00022907416569410715),
+        ("dots", mesh_sizes(data=8), 2977384.0, 60973056.0, 4.3898583669271964e-05),
+        ("dots", mesh_sizes(tsp=8), 3073224.0, 60973056.0, 0.0004449143903723419),
+        ("dots", mesh_sizes(sequence=8), 3945528.0, 60973056.0, 6.236358968957694e-05),
+        ("dots", mesh_sizes(tensor=2, sequence=4), 4164120.0, 63455232.0, 0.00022907416569410713),
     ]
     for remat, sizes, total, work, seconds in before:
         r = run(TINY, remat=remat)
@@ -75,7 +71,7 @@ def test_an_all_cca_pattern_prices_exactly_as_before_hybrid_pricing():
 
 
 def test_a_linear_layers_sequence_exchange_is_the_state_all_gather_whatever_the_sequence_length():
-    sizes = mesh(sequence=8)
+    sizes = mesh_sizes(sequence=8)
     short, long = (by_what(run(seq=s), sizes) for s in (64, 256))
     # fp32 [2·8 zigzag chunks, 16 sequences, 2 KV heads, 2 query heads each, 16, 16]
     states = 16 * 16 * 2 * 2 * 16 * 16 * 4
@@ -91,15 +87,15 @@ def test_a_linear_layers_sequence_exchange_is_the_state_all_gather_whatever_the_
     assert kv(long) == 4 * kv(short)
     contiguous = by_what(run(zigzag=False), sizes)["sequence", "all_gather", "linear layers' memory states"]
     assert contiguous.nbytes == states / 2  # one chunk per device
-    both = by_what(run(), mesh(tsp=2, sequence=4))  # one exchange over both sequence axes
+    both = by_what(run(), mesh_sizes(tsp=2, sequence=4))  # one exchange over both sequence axes
     assert both["tsp+sequence", "all_gather", "linear layers' memory states"].nbytes == states
-    assert not [tr for tr in step_time.transfers(run(), mesh(data=8)) if "linear layers" in tr.what]
+    assert not [tr for tr in step_time.transfers(run(), mesh_sizes(data=8)) if "linear layers" in tr.what]
 
 
 def test_under_tsp_each_layer_gathers_its_own_mixers_weights():
-    trs = by_what(run(), mesh(tsp=8))
+    trs = by_what(run(), mesh_sizes(tsp=8))
     linear = 4 * (2 * 64 * 4 * 16 + 2 * 64 * 2 * 16 + 4 * 16 * 64 + 4 * 16)  # wq wg, wk wv, wo, out_norm (fp32)
-    cca = sum(inventory.local_bytes(g, mesh(tsp=8), ("fsdp", "tsp")) for g in inventory.mixer_groups(HYBRID, "C"))
+    cca = sum(inventory.local_bytes(g, mesh_sizes(tsp=8), ("fsdp", "tsp")) for g in inventory.mixer_groups(HYBRID, "C"))
     assert trs["tsp", "all_gather", "linear-attention weight buckets"].nbytes == linear
     assert trs["tsp", "reduce_scatter", "linear-attention weight gradients"].nbytes == linear
     assert trs["tsp", "all_gather", "attention weight buckets"].nbytes == cca != linear
@@ -109,7 +105,7 @@ def test_under_tsp_each_layer_gathers_its_own_mixers_weights():
 
 
 def test_tensor_all_reduces_a_linear_layers_output_like_a_cca_layers():
-    sizes = mesh(tensor=2, data=4)
+    sizes = mesh_sizes(tensor=2, data=4)
     pick = lambda cfg: [tr for tr in step_time.transfers(run(cfg), sizes)  # noqa: E731
                         if (tr.axis, tr.op) == ("tensor", "all_reduce") and "outputs" in tr.what]
     out, = pick(HYBRID)
@@ -119,7 +115,7 @@ def test_tensor_all_reduces_a_linear_layers_output_like_a_cca_layers():
 def test_a_linear_layers_flops_are_its_own_and_its_core_has_no_sequence_length_or_imbalance():
     per_token = lambda r, sizes: step_time.hardware_flops(r, sizes, step_time.share(r, sizes)) / (  # noqa: E731
         r.micro_batch * r.seq_len / math.prod(sizes[a] for a in ("data", "fsdp", "expert", "tsp", "sequence")))
-    one = mesh()
+    one = mesh_sizes()
     linear, cca = TINY.replace(layer_pattern="L"), TINY
     # remat none: 3 block forwards per token; a layer is 2·(mixer + expert + router) + core/3.
     gap = 3 * 2 * (2 * (flops.layer_mixer_params(TINY, "C") - flops.layer_mixer_params(TINY, "L"))
@@ -128,14 +124,14 @@ def test_a_linear_layers_flops_are_its_own_and_its_core_has_no_sequence_length_o
     assert per_token(run(linear, seq=256), one) == per_token(run(linear), one)  # no S in its core
     assert per_token(run(cca, seq=256), one) > per_token(run(cca), one)
     # Contiguous chunks load the last device with (2D−1)/D of CCA's causal core; no linear layer's.
-    sizes = mesh(sequence=8)
+    sizes = mesh_sizes(sequence=8)
     assert per_token(run(linear, zigzag=False), sizes) == pytest.approx(per_token(run(linear), sizes), rel=1e-12)
     extra = 3 * flops.layer_core_flops(TINY, "C", 64) / 3 * (15 / 8 - 1)  # the hybrid's one CCA layer
     assert per_token(run(zigzag=False), sizes) - per_token(run(), sizes) == pytest.approx(extra, rel=1e-12)
 
 
 def test_a_linear_layer_keeps_its_own_activations_and_its_gathered_states():
-    sizes = mesh(sequence=8)
+    sizes = mesh_sizes(sequence=8)
     short, long = run(), run(seq=256)
     s = step_time.share(short, sizes)
     states = 16 * 16 * 2 * 2 * 16 * 16 * 4
@@ -164,7 +160,7 @@ def test_a_hybrids_predicted_memory_is_within_the_usual_band_of_xla():
     config = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "experiments",
                           "tiny_hybrid_cpu.py")
     overrides = ["--config.train.seq_len=64", "--config.train.global_batch_size=8"]
-    sizes = mesh(sequence=8)  # LASP-2 on three linear layers, K/V gathered on the CCA one
+    sizes = mesh_sizes(sequence=8)  # LASP-2 on three linear layers, K/V gathered on the CCA one
     got = validate(config, overrides, [sizes], progress=lambda m: None)[describe(sizes)]
     predicted = memory.predict(Workload.from_experiment(load_experiment(config, overrides), hardware.profile("cpu"), 1, 8),
                                sizes)

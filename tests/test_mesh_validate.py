@@ -3,9 +3,6 @@ within 2% of the compiled train step's argument bytes, for two model sizes on 8 
 the CLI's table, JSON and plot; every bad input is one line and exit status 2."""
 
 import json
-import os
-import subprocess
-import sys
 
 import pytest
 
@@ -16,9 +13,9 @@ from zaya_jax.explore.against_xla import validate
 from zaya_jax.explore.workload import Workload
 from zaya_jax import hardware
 from zaya_jax.errors import ZayaError
-from zaya_jax.parallel.axes import MESH_AXES
-from xla_test_flags import xla_flags
-from paths import ROOT, TINY
+from meshes import mesh_sizes
+from zaya_process import zaya
+from paths import TINY
 
 SMALL = ["--config.train.seq_len=64", "--config.train.global_batch_size=8", "--config.model.num_hidden_layers=2"]
 WIDE = SMALL + ["--config.model.hidden_size=256", "--config.model.num_attention_heads=8", "--config.model.head_dim=32",
@@ -26,13 +23,9 @@ WIDE = SMALL + ["--config.model.hidden_size=256", "--config.model.num_attention_
                 "--config.model.num_hidden_layers=1"]
 
 
-def layout(**sizes):
-    return {a: sizes.get(a, 1) for a in MESH_AXES}
-
-
 @pytest.mark.parametrize("overrides, layouts", [
-    (SMALL, [layout(data=8), layout(fsdp=8), layout(tsp=8), layout(expert=4, data=2)]),
-    (WIDE, [layout(fsdp=2, tsp=4), layout(tensor=2, sequence=4), layout(fsdp=2, expert=2, sequence=2)]),
+    (SMALL, [mesh_sizes(data=8), mesh_sizes(fsdp=8), mesh_sizes(tsp=8), mesh_sizes(expert=4, data=2)]),
+    (WIDE, [mesh_sizes(fsdp=2, tsp=4), mesh_sizes(tensor=2, sequence=4), mesh_sizes(fsdp=2, expert=2, sequence=2)]),
 ], ids=["tiny", "wide"])
 def test_predicted_state_bytes_match_xla_arguments(overrides, layouts):
     run = Workload.from_experiment(load_experiment(TINY, overrides), hardware.profile("cpu"), 1, 8)
@@ -50,15 +43,9 @@ def test_predicted_state_bytes_match_xla_arguments(overrides, layouts):
         assert predicted.total_bytes == pytest.approx(total, rel=0.2), (describe(sizes), predicted.total_bytes / total)
 
 
-def zaya(*args, devices=1):
-    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=xla_flags(devices))
-    return subprocess.run([sys.executable, "-m", "zaya_jax", "mesh", *args], capture_output=True, text=True, env=env,
-                          cwd=ROOT, timeout=600)
-
-
 def test_cli_ranks_writes_json_and_plot(tmp_path):
     out, png = tmp_path / "layouts.json", tmp_path / "layouts.png"
-    result = zaya(f"--config={TINY}", "--hardware=mi300x", "--nodes=2", "--top=5", f"--json={out}", f"--plot={png}",
+    result = zaya("mesh", f"--config={TINY}", "--hardware=mi300x", "--nodes=2", "--top=5", f"--json={out}", f"--plot={png}",
                   *SMALL, "--global-batch=16")
     assert result.returncode == 0, result.stderr
     assert "layouts of 2 x 8 mi300x (16 devices)" in result.stdout and "best:" in result.stdout
@@ -72,7 +59,7 @@ def test_cli_ranks_writes_json_and_plot(tmp_path):
 
 def test_cli_validate_reports_xla_bytes(tmp_path):
     out = tmp_path / "v.json"
-    result = zaya(f"--config={TINY}", "--hardware=cpu", "--top=1", "--validate", f"--json={out}", *SMALL, devices=8)
+    result = zaya("mesh", f"--config={TINY}", "--hardware=cpu", "--top=1", "--validate", f"--json={out}", *SMALL, devices=8)
     assert result.returncode == 0, result.stderr
     assert "XLA args" in result.stdout and "validate 1/1" in result.stderr
     first = json.loads(out.read_text())[0]
@@ -97,7 +84,7 @@ def test_cli_validate_reports_xla_bytes(tmp_path):
       "--config.model.vocab_size=262272"], r"fits on no layout of 1 x 1 cpu: .* GiB \(\d+%\) more than"),
 ])
 def test_cli_bad_inputs_are_one_line(args, words):
-    result = zaya(f"--config={TINY}", *args)
+    result = zaya("mesh", f"--config={TINY}", *args)
     assert result.returncode == 2, result.stdout + result.stderr
     lines = result.stderr.strip().splitlines()
     assert lines[-1].startswith("zaya: error:") and "Traceback" not in result.stderr
@@ -109,11 +96,11 @@ def test_cli_bad_inputs_are_one_line(args, words):
 def test_cli_bad_collectives_file_is_one_line(tmp_path):
     bad = tmp_path / "busbw.json"
     bad.write_text('[{"tier": "intra", "op": "all_gather", "group": 8, "bytes": 1}]')
-    result = zaya(f"--config={TINY}", "--hardware=mi300x", f"--collectives={bad}")
+    result = zaya("mesh", f"--config={TINY}", "--hardware=mi300x", f"--collectives={bad}")
     assert result.returncode == 2 and "Traceback" not in result.stderr
     assert result.stderr.strip().splitlines()[-1].startswith("zaya: error: --collectives file") and "record 0" in result.stderr
 
 
 def test_validate_refuses_a_layout_larger_than_the_devices():
     with pytest.raises(ZayaError, match="--validate needs 16 devices and JAX sees 8"):
-        validate(TINY, SMALL, [layout(data=16)], progress=lambda m: None)
+        validate(TINY, SMALL, [mesh_sizes(data=16)], progress=lambda m: None)

@@ -2,19 +2,17 @@
 
 import contextlib
 import ctypes
-import glob
 import json
 import math
 import os
 import re
-import struct
 import types
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from tensorboardX.proto import event_pb2
+from run_outputs import tensorboard_events
 
 from zaya_jax import hardware
 from zaya_jax.config import ModelConfig, preset
@@ -112,21 +110,6 @@ def test_mfu_reproduces_the_zaya1_estimate():
 # metrics writer
 
 
-def read_events(directory):
-    """Every Event in the TensorBoard files under `directory`, parsed from TFRecord framing."""
-    events = []
-    for path in sorted(glob.glob(os.path.join(directory, "events.out.tfevents.*"))):
-        with open(path, "rb") as f:
-            data = f.read()
-        pos = 0
-        while pos < len(data):
-            (length,) = struct.unpack("<Q", data[pos:pos + 8])
-            pos += 8 + 4  # length, length crc
-            events.append(event_pb2.Event.FromString(data[pos:pos + length]))
-            pos += length + 4  # data, data crc
-    return events
-
-
 def scalar_points(events):
     """{tag: [(step, value), ...]} from the scalar summaries."""
     points = {}
@@ -178,7 +161,7 @@ def test_jsonl_appends_and_is_flushed_before_close(tmp_path):
 
 def test_tensorboard_scalars_read_back(tmp_path):
     write_records(tmp_path)
-    points = scalar_points(read_events(tmp_path / "tensorboard"))
+    points = scalar_points(tensorboard_events(tmp_path / "tensorboard"))
     # A flat list of numbers (per-layer values) is one tag per entry.
     assert set(points) == {"loss", "lr", "tokens", "experts/max_load", "experts/skip_frac", "grad_norm",
                            "load/0", "load/1"}

@@ -15,15 +15,13 @@ import os
 import re
 import shutil
 import signal
-import subprocess
-import sys
 import time
 
 import numpy as np
 import pytest
 
 from zaya_jax.checkpoint import orbax_store
-from xla_test_flags import xla_flags
+from zaya_process import zaya, zaya_env, zaya_started
 
 pytestmark = pytest.mark.slow
 
@@ -32,33 +30,20 @@ SHORT = ["--config.train.log_every=1", "--config.train.progress=False",
          "--config.optim.decay_steps=8"]  # the schedule must not depend on train.steps: runs stop and resume
 
 
-def _env(devices: int | None = None) -> dict:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("JAX_COORDINATOR", "JAX_NUM_PROC", "JAX_PROCESS"))}
-    env["JAX_PLATFORMS"] = "cpu"
-    if devices:
-        env["XLA_FLAGS"] = xla_flags(devices)
-    return env
-
-
-def _zaya(args, devices=None, timeout=600, env=None):
-    return subprocess.run([sys.executable, "-m", "zaya_jax", *args], env=env or _env(devices), capture_output=True,
-                          text=True, timeout=timeout)
-
-
 def _train_args(workdir, steps, *extra):
     return ["train", "--config=experiments/tiny_cpu.py", f"--workdir={workdir}", f"--config.train.steps={steps}",
             *SHORT, *extra]
 
 
 def _one(workdir, devices, steps, *extra):
-    done = _zaya(_train_args(workdir, steps, *extra), devices=devices)
+    done = zaya(*_train_args(workdir, steps, *extra), devices=devices)
     assert done.returncode == 0, done.stderr[-3000:]
     return done
 
 
 def _launch(workdir, processes, devices, steps, *extra, launch=()):
-    done = _zaya(["launch", "-n", str(processes), "--cpu-devices", str(devices), *launch, "--",
-                  *_train_args(workdir, steps, *extra)])
+    done = zaya("launch", "-n", str(processes), "--cpu-devices", str(devices), *launch, "--",
+                *_train_args(workdir, steps, *extra), devices=None)
     assert done.returncode == 0, done.stderr[-3000:]
     return done
 
@@ -95,10 +80,9 @@ def _launch_nodes(workdir, nodes, per_node, devices, steps, *extra):
     """`nodes` launchers on this machine, each a node of `per_node` processes: what the
     Kubernetes template runs in every pod. Returns node 0's output."""
     address = f"localhost:{_free_port()}"
-    launchers = [subprocess.Popen(
-        [sys.executable, "-m", "zaya_jax", "launch", "-n", str(per_node), "--cpu-devices", str(devices),
-         "--nodes", str(nodes), "--node-rank", str(rank), "--coordinator-address", address, "--",
-         *_train_args(workdir, steps, *extra)], env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    launchers = [zaya_started(
+        "launch", "-n", str(per_node), "--cpu-devices", str(devices), "--nodes", str(nodes), "--node-rank",
+        str(rank), "--coordinator-address", address, "--", *_train_args(workdir, steps, *extra), env=zaya_env(None))
         for rank in range(nodes)]
     outputs = [launcher.communicate(timeout=600) for launcher in launchers]
     assert all(launcher.returncode == 0 for launcher in launchers), outputs[0][1][-3000:] + outputs[1][1][-3000:]
@@ -171,9 +155,8 @@ def _same_model(got: dict, expected: dict, exact: bool, name: str) -> None:
 
 def test_sigterm_to_one_process_saves_the_same_step_in_every_process_and_resumes(tmp_path):
     workdir = tmp_path / "run"
-    launcher = subprocess.Popen(
-        [sys.executable, "-m", "zaya_jax", "launch", "-n", "2", "--cpu-devices", "1", "--",
-         *_train_args(workdir, 100000)], env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    launcher = zaya_started("launch", "-n", "2", "--cpu-devices", "1", "--", *_train_args(workdir, 100000),
+                            env=zaya_env(None))
     try:
         pids = _child_pids(launcher)
         _wait_for(lambda: os.path.exists(workdir / "metrics.jsonl") and len(_records(workdir, "loss")) >= 2)
@@ -191,10 +174,8 @@ def test_sigterm_to_one_process_saves_the_same_step_in_every_process_and_resumes
 
 
 def test_killing_one_process_ends_the_others_and_leaves_no_orphan(tmp_path):
-    launcher = subprocess.Popen(
-        [sys.executable, "-m", "zaya_jax", "launch", "-n", "2", "--cpu-devices", "1", "--grace-s", "2", "--",
-         *_train_args(tmp_path / "run", 100000)], env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-        text=True)
+    launcher = zaya_started("launch", "-n", "2", "--cpu-devices", "1", "--grace-s", "2", "--",
+                            *_train_args(tmp_path / "run", 100000), env=zaya_env(None))
     try:
         pids = _child_pids(launcher)
         _wait_for(lambda: os.path.exists(tmp_path / "run" / "metrics.jsonl"))
@@ -238,8 +219,8 @@ def _wait_for(condition, timeout=300):
      "--num-processes / JAX_NUM_PROCESSES must be an integer >= 1, got 'two'"),
 ], ids=["unreachable coordinator", "id outside the count", "address without port", "count not a number"])
 def test_bad_start_up_is_one_line_and_exit_2(tmp_path, env, needle):
-    done = _zaya(_train_args(tmp_path, 1, "--config.distributed.initialization_timeout_s=2"), timeout=60,
-                 env={**_env(1), **env})
+    done = zaya(*_train_args(tmp_path, 1, "--config.distributed.initialization_timeout_s=2"), timeout=60,
+                env=zaya_env(1, **env))
     assert done.returncode == 2
     assert done.stderr.strip().splitlines()[-1].startswith("zaya: error: ") and needle in done.stderr
 
@@ -247,10 +228,9 @@ def test_bad_start_up_is_one_line_and_exit_2(tmp_path, env, needle):
 def test_processes_given_different_counts_stop_in_one_line(tmp_path):
     port = _free_port()
     common = ["--config.distributed.initialization_timeout_s=20"]
-    procs = [subprocess.Popen([sys.executable, "-m", "zaya_jax", *_train_args(tmp_path, 1, *common)],
-                              env={**_env(1), "JAX_COORDINATOR_ADDRESS": f"localhost:{port}",
-                                   "JAX_NUM_PROCESSES": count, "JAX_PROCESS_ID": pid},
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    procs = [zaya_started(*_train_args(tmp_path, 1, *common),
+                          env=zaya_env(1, JAX_COORDINATOR_ADDRESS=f"localhost:{port}", JAX_NUM_PROCESSES=count,
+                                       JAX_PROCESS_ID=pid))
              for pid, count in (("0", "2"), ("1", "3"))]
     results = [p.communicate(timeout=120) for p in procs]
     assert all(p.returncode == 2 for p in procs)
@@ -266,8 +246,8 @@ def test_processes_given_different_counts_stop_in_one_line(tmp_path):
 def test_a_config_every_process_refuses_ends_the_job_as_bad_input(tmp_path, override, needle):
     """Both processes raise the error and leave together (JAX's shutdown barrier): neither dies of
     SIGABRT when process 0's coordinator goes, and the launcher reports bad input (no restart)."""
-    done = _zaya(["launch", "-n", "2", "--cpu-devices", "2", "--max-restarts", "2", "--",
-                  *_train_args(tmp_path, 1, override)])
+    done = zaya("launch", "-n", "2", "--cpu-devices", "2", "--max-restarts", "2", "--",
+                *_train_args(tmp_path, 1, override), devices=None)
     assert done.returncode == 2, done.stderr[-2000:]
     errors = [line for line in done.stderr.splitlines() if needle in line]
     assert sorted(line[:17] for line in errors) == ["[0] zaya: error: ", "[1] zaya: error: "]

@@ -9,8 +9,7 @@ import numpy as np
 import pytest
 
 from zaya_jax.experiment import load_experiment
-from zaya_jax.parallel.axes import MESH_AXES
-from zaya_jax.parallel.mesh import build_mesh
+from meshes import fake_mesh
 from zaya_jax.parallel.muon_spread import spread_matrices
 from zaya_jax.train.muon import newton_schulz
 from zaya_jax.train.program import build_program
@@ -18,16 +17,12 @@ from paths import TINY
 
 
 
-def _mesh(**sizes):
-    return build_mesh({a: sizes.get(a, 1) for a in MESH_AXES}, jax.devices()[:math.prod(sizes.values())])
-
-
 @pytest.mark.parametrize("count, per_pass, passes", [(16, 1, 2), (16, 2, 1), (6, 1, 1), (20, 1, 3), (16, 16, 1)],
                          ids=["2 passes of 1", "one pass of 2", "6 padded to one each", "20 padded to 3 passes",
                               "at most 16 a pass: one"])
 def test_spread_newton_schulz_equals_the_plain_one(count, per_pass, passes):
     batch = np.random.default_rng(0).normal(size=(count, 8, 12)).astype(np.float32)
-    run = spread_matrices(_mesh(data=4, fsdp=2), pass_elements=per_pass * 8 * 12)
+    run = spread_matrices(fake_mesh(data=4, fsdp=2), pass_elements=per_pass * 8 * 12)
     fn = jax.jit(lambda b: run(newton_schulz, b))
     np.testing.assert_allclose(fn(batch), jax.jit(newton_schulz)(batch), rtol=2e-5, atol=2e-6)
     loops = re.findall(r'"known_trip_count":\{"n":"(\d+)"\}', fn.lower(batch).compile().as_text())
@@ -42,7 +37,7 @@ def test_spread_newton_schulz_equals_the_plain_one(count, per_pass, passes):
 def test_matrices_held_where_their_state_lives_give_the_plain_newton_schulz(mesh, spec, shape):
     from jax.sharding import NamedSharding, PartitionSpec as P
 
-    mesh = _mesh(**mesh)
+    mesh = fake_mesh(**mesh)
     weight = np.random.default_rng(1).normal(size=shape).astype(np.float32)
     mats_shape = (*shape[:-2], shape[-2] * shape[-1]) if shape[-1] == 6 else shape
     run = spread_matrices(mesh, {"w": (P(*spec), shape)})

@@ -5,8 +5,6 @@ import json
 import os
 import shutil
 import signal
-import subprocess
-import sys
 
 import jax
 import numpy as np
@@ -16,7 +14,7 @@ from run_outputs import losses as _losses
 from zaya_jax.errors import ZayaError
 from zaya_jax.experiment import load_experiment
 from zaya_jax.train.loop import train
-from xla_test_flags import xla_flags
+from zaya_process import zaya
 from paths import ROOT, TINY
 
 STEPS = 12
@@ -26,16 +24,8 @@ RUN = ["--config.train.steps=12", "--config.optim.warmup_steps=2", "--config.tra
        "--config.checkpoint.keep=3"]
 
 
-def _env(devices=1):
-    return dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=xla_flags(devices))
-
-
-def _train_cmd(workdir, *extra, prefix=("-m", "zaya_jax")):
-    return [sys.executable, *prefix, "train", f"--config={TINY}", f"--workdir={workdir}", *RUN, *extra]
-
-
-def _run(cmd):
-    return subprocess.run(cmd, capture_output=True, text=True, env=_env(), cwd=ROOT, timeout=600)
+def _train(workdir, *extra, module=("-m", "zaya_jax")):
+    return zaya("train", f"--config={TINY}", f"--workdir={workdir}", *RUN, *extra, module=module)
 
 
 def _signal_at(when, step, sig):
@@ -45,7 +35,7 @@ def _signal_at(when, step, sig):
 @pytest.fixture(scope="module")
 def uninterrupted(tmp_path_factory):
     workdir = tmp_path_factory.mktemp("uninterrupted")
-    result = _run(_train_cmd(workdir))
+    result = _train(workdir)
     assert result.returncode == 0, result.stderr
     return _losses(workdir)
 
@@ -59,10 +49,10 @@ def _assert_bit_identical_from(workdir, step, uninterrupted):
 
 def test_sigkill_between_checkpoints_resumes_bit_identically(tmp_path, uninterrupted):
     workdir = tmp_path / "run"
-    killed = _run(_train_cmd(workdir, prefix=_signal_at("logged", 7, "KILL")))
+    killed = _train(workdir, module=_signal_at("logged", 7, "KILL"))
     assert killed.returncode == -signal.SIGKILL, killed.stderr
     assert sorted(_losses(workdir)) == list(range(1, 8))  # got to step 7; the last checkpoint is step 4
-    result = _run(_train_cmd(workdir))
+    result = _train(workdir)
     assert result.returncode == 0, result.stderr
     assert "(step 4)" in result.stdout
     _assert_bit_identical_from(workdir, 4, uninterrupted)
@@ -70,11 +60,11 @@ def test_sigkill_between_checkpoints_resumes_bit_identically(tmp_path, uninterru
 
 def test_sigkill_during_a_save_falls_back_to_the_previous_checkpoint(tmp_path, uninterrupted):
     workdir = tmp_path / "run"
-    killed = _run(_train_cmd(workdir, prefix=_signal_at("saving", 8, "KILL")))
+    killed = _train(workdir, module=_signal_at("saving", 8, "KILL"))
     assert killed.returncode == -signal.SIGKILL, killed.stderr
     leftovers = os.listdir(workdir / "checkpoints")
     assert "4" in leftovers and "8" not in leftovers and any("tmp" in name for name in leftovers)
-    result = _run(_train_cmd(workdir))
+    result = _train(workdir)
     assert result.returncode == 0, result.stderr
     assert "(step 4)" in result.stdout
     assert not any("tmp" in name for name in os.listdir(workdir / "checkpoints"))  # cleaned up
@@ -84,11 +74,11 @@ def test_sigkill_during_a_save_falls_back_to_the_previous_checkpoint(tmp_path, u
 @pytest.mark.parametrize("sig", ["TERM", "INT"])
 def test_sigterm_and_sigint_save_then_the_same_command_finishes_the_run(tmp_path, uninterrupted, sig):
     workdir = tmp_path / "run"
-    stopped = _run(_train_cmd(workdir, prefix=_signal_at("logged", 6, sig)))
+    stopped = _train(workdir, module=_signal_at("logged", 6, sig))
     assert stopped.returncode == 128 + getattr(signal, "SIG" + sig), stopped.stderr
     assert f"stopped by SIG{sig} after step 6" in stopped.stdout
     assert "6" in os.listdir(workdir / "checkpoints")
-    result = _run(_train_cmd(workdir))
+    result = _train(workdir)
     assert result.returncode == 0, result.stderr
     assert "(step 6)" in result.stdout
     _assert_bit_identical_from(workdir, 6, uninterrupted)

@@ -22,6 +22,7 @@ from zaya_jax.train import balancing
 from zaya_jax.train.program import build_program
 from zaya_jax.train.step import make_gradient_step
 from paths import TINY
+from synthetic_batches import random_batch
 
 STEPS = 3
 NORM_RTOL = 1e-5  # the gradient norm of every step, the layouts' own fp32 summation order apart
@@ -37,27 +38,12 @@ def _overrides(balancer="adam", **mesh):
     return [f"--config.{k}={v}" for k, v in base.items()]
 
 
-def _batches(seed=0, steps=STEPS, batch=8, seq=32, vocab=259):
-    rng = np.random.default_rng(seed)
-    out = []
-    for _ in range(steps):
-        segments = np.sort(rng.integers(1, 4, size=(batch, seq)), axis=1).astype(np.int32)
-        out.append({
-            "inputs": rng.integers(0, vocab, size=(batch, seq), dtype=np.int32),
-            "targets": rng.integers(0, vocab, size=(batch, seq), dtype=np.int32),
-            "segment_ids": segments,
-            "positions": np.zeros((batch, seq), np.int32) + np.arange(seq, dtype=np.int32),
-            "loss_mask": (rng.random((batch, seq)) > 0.1).astype(np.float32),
-        })
-    return out
-
-
 def _run(overrides, devices, steps=STEPS):
     program = build_program(load_experiment(TINY, overrides), devices=devices)
     state = program.init()
     step = program.jitted_train_step()
     losses, norms = [], []
-    for batch in _batches()[:1] * steps:  # one batch, repeated: the loss must fall
+    for batch in [random_batch(8, 32)] * steps:  # one batch, repeated: the loss must fall
         state, metrics = step(state, program.place_batch(batch))
         losses.append(float(metrics["loss"]))
         norms.append(float(metrics["grad_norm"]))
@@ -98,7 +84,7 @@ def test_the_spread_balancer_reads_and_moves_the_same_under_a_layout(mesh):
     def first_step(overrides, devices):
         program = build_program(load_experiment(TINY, overrides), devices=devices)
         state = program.init()
-        batch = program.place_batch(_batches()[0])
+        batch = program.place_batch(random_batch(8, 32))
         grads_step = program._under_mesh(make_gradient_step(program.modeldef, program.step_cfg))
         _, sums = jax.jit(grads_step)(state.params, state.biases, batch)
         before = jax.device_get(state.biases)
@@ -123,7 +109,7 @@ def test_zigzag_layout_trains_and_evaluates_like_one_device(single):
     programs = [build_program(load_experiment(TINY, o), devices=d)
                 for o, d in ((overrides, jax.devices()), (_overrides(), jax.devices()[:1]))]
     assert [p.zigzagged for p in programs] == [True, False]
-    batch = _batches(seed=1, steps=1)[0]
+    batch = random_batch(8, 32, seed=1)
     evals = [jax.device_get(p.jitted_eval_step()(single[1], single[2], p.place_eval_batch(batch, 8)))
              for p in programs]
     np.testing.assert_allclose(evals[0], evals[1], rtol=2e-5)

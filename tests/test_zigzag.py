@@ -22,8 +22,7 @@ from zaya_jax.kernels import pallas_attention
 from zaya_jax.model.cca import PARAM_AXES, CCAttention
 from zaya_jax.model.segments import sequence_info
 from zaya_jax.parallel import attention_schedule, zigzag
-from zaya_jax.parallel.axes import MESH_AXES
-from zaya_jax.parallel.mesh import build_mesh
+from meshes import fake_mesh, mesh_sizes
 from zaya_jax.parallel.rules import named_sharding
 
 
@@ -72,7 +71,7 @@ def _visited_blocks_per_device(devices: int, zigzagged: bool) -> list[int]:
         plans.append(plan)
         return jnp.zeros_like(q)
 
-    mesh = build_mesh({a: {"sequence": devices, "data": 8 // devices}.get(a, 1) for a in MESH_AXES}, jax.devices())
+    mesh = fake_mesh(sequence=devices, data=8 // devices)
     row = named_sharding(("batch", "length"), mesh)
     params = {n: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=named_sharding(PARAM_AXES[n], mesh, v.shape))
               for n, v in CCAttention(CFG, rngs=nnx.Rngs(0)).params().items()}
@@ -111,6 +110,6 @@ def test_the_explorer_prices_the_busiest_sequence_devices_attention():
     assert zigzag.busiest_causal_share(4, True) == 1.0
     assert zigzag.busiest_causal_share(4, False) == pytest.approx(7 / 4)
     run = Workload(preset("tiny"), 4096, 8, 1, "none", hardware.profile("h100"), 1, 8)
-    sizes = {a: {"sequence": 8}.get(a, 1) for a in MESH_AXES}
+    sizes = mesh_sizes(sequence=8)
     contiguous = dataclasses.replace(run, zigzag=False)
     assert hardware_flops(contiguous, sizes, share(contiguous, sizes)) > hardware_flops(run, sizes, share(run, sizes))
