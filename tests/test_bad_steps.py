@@ -62,6 +62,7 @@ def _batch(nan=False):
 
 def test_the_train_step_keeps_the_whole_state_of_a_bad_step_and_counts_it():
     overrides = ["--config.train.global_batch_size=8", "--config.train.seq_len=32", "--config.model.num_hidden_layers=2",
+                 "--config.train.scan_unroll=1",
                  "--config.optim.warmup_steps=0", "--config.mesh.data=1"]
     program = build_program(load_experiment(TINY, overrides), devices=jax.devices()[:1])
     step = program.jitted_train_step()

@@ -12,6 +12,7 @@ from paths import ROOT, TINY
 
 QUICK = ["--config.train.steps=4", "--config.optim.warmup_steps=1", "--config.train.log_every=2",
          "--config.train.global_batch_size=8", "--config.train.seq_len=32", "--config.model.num_hidden_layers=2",
+         "--config.train.scan_unroll=1",
          "--config.eval.batches=1", "--config.train.progress=false"]
 
 

@@ -13,7 +13,8 @@ from zaya_jax.train.loop import train
 from paths import TINY
 
 QUICK = ["--config.train.steps=2", "--config.train.global_batch_size=8", "--config.train.seq_len=32",
-         "--config.model.num_hidden_layers=2", "--config.eval.batches=1", "--config.train.progress=false"]
+         "--config.model.num_hidden_layers=2",
+         "--config.train.scan_unroll=1", "--config.eval.batches=1", "--config.train.progress=false"]
 
 
 @pytest.fixture(autouse=True)

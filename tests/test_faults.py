@@ -23,7 +23,8 @@ from paths import TINY
 from zaya_process import zaya
 
 RUN = ["--config.train.log_every=1", "--config.train.progress=False", "--config.train.seq_len=32",
-       "--config.train.global_batch_size=8", "--config.model.num_hidden_layers=2", "--config.optim.decay_steps=8",
+       "--config.train.global_batch_size=8", "--config.model.num_hidden_layers=2",
+       "--config.train.scan_unroll=1", "--config.optim.decay_steps=8",
        "--config.eval.batches=1", "--config.fault.spike_sigmas=0"]
 
 

@@ -20,6 +20,7 @@ from paths import TINY
 from synthetic_batches import random_batch
 
 RUN = ["--config.train.global_batch_size=16", "--config.train.seq_len=32", "--config.model.num_hidden_layers=2",
+       "--config.train.scan_unroll=1",
        "--config.train.loss_vocab_chunk=100", "--config.mesh.data=1"]
 
 

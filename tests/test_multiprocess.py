@@ -186,7 +186,8 @@ def test_killing_one_process_ends_the_others_and_leaves_no_orphan(tmp_path):
     finally:
         launcher.kill()
     assert launcher.returncode == 128 + signal.SIGKILL
-    assert "zaya launch: process 1 was killed by SIGKILL (137); stopping the other 1" in err
+    # The launcher stops process 0, unless process 0 ended first on the broken connection.
+    assert re.search(r"zaya launch: process 1 was killed by SIGKILL \(137\)(; stopping the other 1|$)", err, re.M), err
     assert took < 2 + 10  # the grace period, then SIGKILL
     for pid in pids:
         with pytest.raises(ProcessLookupError):

@@ -20,7 +20,8 @@ from zaya_jax.train.program import build_program
 from paths import TINY
 
 SMALL = ["--config.train.steps=5", "--config.train.seq_len=32", "--config.train.global_batch_size=4",
-         "--config.model.num_hidden_layers=2", "--config.eval.batches=0", "--config.train.progress=False",
+         "--config.model.num_hidden_layers=2",
+         "--config.train.scan_unroll=1", "--config.eval.batches=0", "--config.train.progress=False",
          "--config.mesh.data=1"]
 
 

@@ -20,6 +20,7 @@ from paths import ROOT, TINY
 STEPS = 12
 RUN = ["--config.train.steps=12", "--config.optim.warmup_steps=2", "--config.train.log_every=1",
        "--config.train.global_batch_size=8", "--config.train.seq_len=32", "--config.model.num_hidden_layers=2",
+       "--config.train.scan_unroll=1",
        "--config.eval.batches=1", "--config.train.progress=false", "--config.checkpoint.every_steps=4",
        "--config.checkpoint.keep=3"]
 

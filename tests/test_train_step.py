@@ -30,7 +30,7 @@ NORM_RTOL = 1e-5  # the gradient norm of every step, the layouts' own fp32 summa
 
 def _overrides(balancer="adam", **mesh):
     base = {"train.global_batch_size": 8, "train.seq_len": 32, "train.steps": 10, "optim.warmup_steps": 1,
-            "optim.lr": 1e-2, "train.loss_vocab_chunk": 100, "model.num_hidden_layers": 2,
+            "optim.lr": 1e-2, "train.loss_vocab_chunk": 100, "model.num_hidden_layers": 2, "train.scan_unroll": 1,
             "mesh.data": 1, "mesh.fsdp": 1, "mesh.expert": 1, "optim.balancer": balancer}
     if balancer == "adam":
         base["optim.balance_lr"] = 1e-2

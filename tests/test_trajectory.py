@@ -23,6 +23,7 @@ import trajectory_vs_torch as trajectory
 
 STEPS = 8
 SMALL = ["--config.train.global_batch_size=4", "--config.train.seq_len=64", "--config.model.num_hidden_layers=2",
+         "--config.train.scan_unroll=1",
          "--config.optim.warmup_steps=2", "--config.optim.weight_decay=0.1", "--config.optim.lr=1e-2"]
 
 

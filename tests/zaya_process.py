@@ -1,15 +1,16 @@
 """Running `zaya` as a user does, in a child process with the tests' environment: CPU only, the
-tests' XLA flags, as many fake devices as asked, and none of the job variables (coordinator,
-process count and id, `ZAYA_*`) of whoever started pytest."""
+tests' XLA flags, as many fake devices as asked, and none of the variables a launcher hands its
+processes (coordinator, process count and id, attempt, node) that whoever started pytest may hold."""
 
 import os
 import subprocess
 import sys
 
 from paths import ROOT
+from zaya_jax.train.events import ATTEMPT_ENV
 from xla_test_flags import TEST_XLA_FLAGS, xla_flags
 
-JOB_VARIABLES = ("JAX_COORDINATOR", "JAX_NUM_PROC", "JAX_PROCESS", "ZAYA_")
+JOB_VARIABLES = ("JAX_COORDINATOR", "JAX_NUM_PROC", "JAX_PROCESS", "ZAYA_NODE", *ATTEMPT_ENV.values())
 
 
 def zaya_env(devices: int | None = 1, flags: str = TEST_XLA_FLAGS, **extra: str) -> dict:
