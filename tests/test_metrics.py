@@ -6,6 +6,8 @@ import json
 import math
 import os
 import re
+import subprocess
+import sys
 import types
 
 import jax
@@ -243,3 +245,13 @@ def test_unwritable_workdir_is_a_one_line_error_naming_it(tmp_path):
                                 "choose a directory you can write")
     assert error.value.exit_code == 2
     assert not os.path.exists(workdir)
+
+
+def test_the_metrics_writer_loads_tensorboardx_without_torch_and_leaves_torch_importable():
+    """tensorboardX imports torch (a second of every start) only to name torch tensors in hints."""
+    pytest.importorskip("torch")
+    probe = ("import sys; import zaya_jax.train.metrics_writer; print('torch' in sys.modules); "
+             "import torch; print(torch.zeros(1).shape == (1,))")
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "JAX_PLATFORMS": "cpu"})
+    assert out.stdout.split() == ["False", "True"], out.stderr
