@@ -4,6 +4,8 @@ every bad input is one line on stderr, exit status 2, no traceback."""
 import json
 import os
 import re
+import subprocess
+import sys
 
 import pytest
 from run_outputs import tensorboard_events
@@ -239,3 +241,13 @@ def test_layout_experiment_trains_on_fake_devices(tmp_path):
     assert result.returncode == 0, result.stderr
     assert "mesh    8 cpu device(s): data=2, tsp=4" in result.stdout
 
+
+
+def test_a_refused_config_answers_before_the_trainer_and_tensorboard_load(tmp_path):
+    probe = ("import sys; from zaya_jax.cli import main; "
+             f"code = main(['train', '--config={TINY}', '--workdir={tmp_path / 'w'}', '--config.train.stepz=3']); "
+             "print(code, 'zaya_jax.train.loop' in sys.modules, 'tensorboardX' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120, cwd=ROOT,
+                         env={**os.environ, "JAX_PLATFORMS": "cpu"})
+    assert out.stdout.split() == ["2", "False", "False"], out.stderr
+    assert "unknown config key (did you mean train.steps?)" in out.stderr
