@@ -55,8 +55,9 @@ def quick_tier(times: dict[str, float], budget: float) -> set[str]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("log", help="the output of a full `pytest --durations=0` run")
-    parser.add_argument("--budget", type=float, default=360.0,
-                        help="seconds of test time the quick tier may sum to (default 360)")
+    parser.add_argument("--budget", type=float, default=330.0,
+                        help="seconds of test time the quick tier may sum to (default 330: on jax 0.12, "
+                             "which compiles slower, the tier still ends within 4 minutes)")
     args = parser.parse_args(argv)
     times = durations(args.log)
     if not times:
