@@ -23,7 +23,6 @@ import pytest
 from zaya_jax.checkpoint import orbax_store
 from zaya_process import zaya, zaya_env, zaya_started
 
-pytestmark = pytest.mark.slow
 
 SHORT = ["--config.train.log_every=1", "--config.train.progress=False",
          "--config.train.seq_len=64", "--config.train.global_batch_size=8", "--config.train.scan_unroll=1",

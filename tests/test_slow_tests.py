@@ -42,3 +42,15 @@ def test_a_log_without_durations_is_one_line_and_exit_2(tmp_path, capsys):
     log.write_text("collected 3 items\n3 passed\n")
     assert slow_tests.main([str(log)]) == 2
     assert capsys.readouterr().err.strip() == f"slow_tests: error: no durations in {log}; run pytest with --durations=0"
+
+
+def test_several_logs_give_each_test_its_longest_time(tmp_path, monkeypatch):
+    old, new = tmp_path / "jax010.log", tmp_path / "jax012.log"
+    old.write_text(LOG)
+    new.write_text("9.00s call     tests/test_c.py::test_one\n0.10s call     tests/test_b.py::test_only\n")
+    out = tmp_path / "slow_tests.txt"
+    monkeypatch.setattr(slow_tests, "OUT", str(out))
+    assert slow_tests.main([str(new), str(old), "--budget", "12"]) == 0  # longest, not last
+    # c::one now takes 9 s (its longest), so c::two (3 s) is c's quick test; a::quick, b::only (4 s)
+    # and c::two sum to 8 s, and c::one no longer fits the 12 s budget.
+    assert out.read_text().splitlines()[1:] == ["tests/test_a.py::test_slow", "tests/test_c.py::test_one"]

@@ -27,7 +27,6 @@ SMALL = ["--config.train.global_batch_size=4", "--config.train.seq_len=64", "--c
          "--config.optim.warmup_steps=2", "--config.optim.weight_decay=0.1", "--config.optim.lr=1e-2"]
 
 
-@pytest.mark.slow
 def test_torch_trains_like_zaya_train(tmp_path):
     from zaya_jax.train.loop import train
 
