@@ -15,6 +15,7 @@ from zaya_jax.errors import ZayaError
 from zaya_jax.explore.collectives import OPS, load_curves
 from zaya_jax.parallel.mesh import build_mesh, resolve_axis_sizes
 from zaya_jax.parallel.topology import Topology
+from meshes import mesh_sizes
 
 FAST = ["--sizes", "1KiB,4KiB", "--iters", "1", "--warmup", "0"]
 
@@ -27,8 +28,7 @@ class TwoNodes(Topology):
 
 
 def mesh_of(**axes):
-    return build_mesh(resolve_axis_sizes({**dict.fromkeys(("data", "fsdp", "expert", "tsp", "tensor", "sequence"), 1),
-                                          **axes}, 8), jax.devices())
+    return build_mesh(resolve_axis_sizes(mesh_sizes(**axes), 8), jax.devices())
 
 
 def bench(tmp_path, *flags, topology=None):
