@@ -4,12 +4,10 @@ every bad input is one line on stderr, exit status 2, no traceback."""
 import json
 import os
 import re
-import subprocess
-import sys
 
 import pytest
 from run_outputs import tensorboard_events
-from zaya_process import zaya
+from zaya_process import python_probe, zaya
 from paths import ROOT, TINY
 
 QUICK = ["--config.train.steps=4", "--config.optim.warmup_steps=1", "--config.train.log_every=2",
@@ -247,7 +245,6 @@ def test_a_refused_config_answers_before_the_trainer_and_tensorboard_load(tmp_pa
     probe = ("import sys; from zaya_jax.cli import main; "
              f"code = main(['train', '--config={TINY}', '--workdir={tmp_path / 'w'}', '--config.train.stepz=3']); "
              "print(code, 'zaya_jax.train.loop' in sys.modules, 'tensorboardX' in sys.modules)")
-    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120, cwd=ROOT,
-                         env={**os.environ, "JAX_PLATFORMS": "cpu"})
+    out = python_probe(probe)
     assert out.stdout.split() == ["2", "False", "False"], out.stderr
     assert "unknown config key (did you mean train.steps?)" in out.stderr

@@ -11,6 +11,7 @@ import pytest
 from zaya_jax import cpu_host
 from zaya_jax.errors import ZayaError
 from xla_test_flags import xla_flags
+from zaya_process import python_probe
 
 glibc_only = pytest.mark.skipif(cpu_host._glibc() is None, reason="mallopt is glibc's")
 
@@ -64,8 +65,7 @@ def test_kept_memory_removes_the_page_faults_of_each_step():
 def test_too_late_once_jax_has_started():
     probe = ("import jax; jax.devices(); from zaya_jax import cpu_host; "
              "print(cpu_host.keep_freed_memory(), cpu_host.applied())")
-    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120,
-                         env={**os.environ, "JAX_PLATFORMS": "cpu"})
+    out = python_probe(probe)
     assert out.stdout.split() == ["False", "False"], out.stderr
 
 

@@ -6,8 +6,6 @@ import json
 import math
 import os
 import re
-import subprocess
-import sys
 import types
 
 import jax
@@ -21,6 +19,7 @@ from zaya_jax.config import ModelConfig, preset
 from zaya_jax.errors import ZayaError
 from zaya_jax.train import flops
 from zaya_jax.train.metrics_writer import MetricsWriter
+from zaya_process import python_probe
 
 # ---------------------------------------------------------------------------------------------
 # hardware
@@ -252,6 +251,5 @@ def test_the_metrics_writer_loads_tensorboardx_without_torch_and_leaves_torch_im
     pytest.importorskip("torch")
     probe = ("import sys; import zaya_jax.train.metrics_writer; print('torch' in sys.modules); "
              "import torch; print(torch.zeros(1).shape == (1,))")
-    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120,
-                         env={**os.environ, "JAX_PLATFORMS": "cpu"})
+    out = python_probe(probe)
     assert out.stdout.split() == ["False", "True"], out.stderr

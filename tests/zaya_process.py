@@ -37,3 +37,10 @@ def zaya_started(*args: str, env: dict) -> subprocess.Popen:
     """`zaya ARGS` started and left running (stdout and stderr piped as text)."""
     return subprocess.Popen(zaya_argv(*args), env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True)
+
+
+def python_probe(code: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    """`python -c CODE` in a fresh interpreter (what a new process imports or loads), from the
+    repository root with the test process's environment on CPU; output captured as text."""
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=timeout,
+                          env={**os.environ, "JAX_PLATFORMS": "cpu"})
