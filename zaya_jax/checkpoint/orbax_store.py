@@ -20,6 +20,7 @@ from typing import Iterable, Mapping
 import jax
 import numpy as np
 
+from zaya_jax.checkpoint import replica_writes
 from zaya_jax.config import ModelConfig
 from zaya_jax.errors import ZayaError
 from zaya_jax.trees import flatten, nest
@@ -60,11 +61,12 @@ def save_groups(path: str, cfg: ModelConfig, groups: Iterable[Mapping[str, np.nd
     if jax.process_index() == 0:  # the others wait in Orbax's first barrier, so none has written yet
         _remove_partials(path)  # left by a killed earlier run; Orbax would otherwise append to it
     try:
-        for group in groups:
-            # jax.Arrays stay on the devices: every process writes the shards it holds.
-            tree = {ROOT: nest({k: v if isinstance(v, jax.Array) else np.asarray(v) for k, v in group.items()})}
-            ocpv1.partial.save(path, tree, custom_metadata=metadata)
-        ocpv1.partial.finalize(path)
+        with replica_writes.v1_context():
+            for group in groups:
+                # jax.Arrays stay on the devices: every process writes the shards it holds.
+                tree = {ROOT: nest({k: v if isinstance(v, jax.Array) else np.asarray(v) for k, v in group.items()})}
+                ocpv1.partial.save(path, tree, custom_metadata=metadata)
+            ocpv1.partial.finalize(path)
     except BaseException:
         _remove_partials(path)
         raise

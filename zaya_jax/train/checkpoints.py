@@ -31,6 +31,7 @@ from typing import Any
 import jax
 import orbax.checkpoint as ocp
 
+from zaya_jax.checkpoint import replica_writes
 from zaya_jax.config import COMPUTE_FIELDS, ModelConfig
 from zaya_jax.data.lanes import LaneRows, merge_states
 from zaya_jax.data.pipeline import DataSettings
@@ -59,7 +60,7 @@ class RunCheckpoints:
             max_to_keep=keep, create=True, cleanup_tmp_directories=True,
             enable_async_checkpointing=async_save,
             async_options=ocp.AsyncOptions(post_finalization_callback=self._on_written) if async_save else None)
-        handlers = {"state": ocp.StandardCheckpointHandler(), "data": DataStateHandler(),
+        handlers = {"state": ocp.PyTreeCheckpointHandler(type_handler_registry=replica_writes.type_handler_registry()), "data": DataStateHandler(),
                     "meta": ocp.JsonCheckpointHandler()}
         try:
             self._manager = ocp.CheckpointManager(self.directory, options=options, item_handlers=handlers)
@@ -76,7 +77,7 @@ class RunCheckpoints:
         started = time.perf_counter()
         with self._lock:
             self._in_flight, self._started_at = SaveTiming(step, 0.0), started
-        args = ocp.args.Composite(state=ocp.args.StandardSave(state),
+        args = ocp.args.Composite(state=ocp.args.PyTreeSave(state),
                                   data=DataStateSave(iterator.get_state()),
                                   meta=ocp.args.JsonSave({**meta, "step": int(step)}))
         self._manager.save(step, args=args, force=True)
@@ -137,7 +138,8 @@ class RunCheckpoints:
 
     def restore(self, step: int, abstract_state, iterator: LaneRows | None):
         """The state placed as `abstract_state` says; the iterator is restored in place if given."""
-        args = {"state": ocp.args.StandardRestore(abstract_state)}
+        restore_args = ocp.checkpoint_utils.construct_restore_args(abstract_state)
+        args = {"state": ocp.args.PyTreeRestore(abstract_state, restore_args=restore_args)}
         if iterator is not None:
             args["data"] = DataStateRestore()
         try:
