@@ -23,18 +23,21 @@ def use_replica_parallel() -> bool | None:
     return None if jax.process_count() > 1 else False
 
 
-def _saving_options():
+def v1_context():
+    """An Orbax v1 context that writes `jax.Array`s as this module says."""
     from orbax.checkpoint.experimental import v1 as ocpv1
 
-    return ocpv1.options.ArrayOptions.Saving(use_replica_parallel=use_replica_parallel(),
-                                             min_slice_bytes_for_replica_parallel=MIN_SLICE_BYTES)
+    context = ocpv1.Context()
+    context.array.saving.use_replica_parallel = use_replica_parallel()
+    context.array.saving.min_slice_bytes_for_replica_parallel = MIN_SLICE_BYTES
+    return context
 
 
 def type_handler_registry():
     """Orbax's standard handlers, with `jax.Array`s written as this module says (the v0 API)."""
     from orbax.checkpoint import type_handlers as th
 
-    saving = _saving_options()  # its array metadata store is the one Orbax's own handlers use
+    saving = v1_context().array.saving  # its array metadata store is the one Orbax's own handlers use
     array = th.ArrayHandler(use_replica_parallel=saving.use_replica_parallel,
                             min_slice_bytes_for_replica_parallel=saving.min_slice_bytes_for_replica_parallel,
                             array_metadata_store=saving.array_metadata_store)
@@ -42,10 +45,3 @@ def type_handler_registry():
     return th.create_type_handler_registry(
         (int, scalar), (float, scalar), (bytes, scalar), (np.number, scalar),
         (np.ndarray, th.NumpyHandler()), (jax.Array, array), (str, th.StringHandler()))
-
-
-def v1_context():
-    """An Orbax v1 context that writes `jax.Array`s as this module says."""
-    from orbax.checkpoint.experimental import v1 as ocpv1
-
-    return ocpv1.Context(array_options=ocpv1.options.ArrayOptions(saving=_saving_options()))
