@@ -38,10 +38,14 @@ def _overrides(balancer="adam", **mesh):
     return [f"--config.{k}={v}" for k, v in base.items()]
 
 
-def _run(overrides, devices, steps=STEPS):
+def _run(overrides, devices, steps=STEPS, read_hlo=None):
+    """Losses, parameters, biases and gradient norms of `steps` steps; `read_hlo` is handed the
+    step's HLO text (the program that then runs)."""
     program = build_program(load_experiment(TINY, overrides), devices=devices)
     state = program.init()
     step = program.jitted_train_step()
+    if read_hlo is not None:
+        read_hlo(step.lower(program.placed_abstract_state(), program.abstract_batch()).as_text())
     losses, norms = [], []
     for batch in [random_batch(8, 32)] * steps:  # one batch, repeated: the loss must fall
         state, metrics = step(state, program.place_batch(batch))
@@ -147,10 +151,13 @@ PALLAS = ["--config.model.attention_kernel=pallas", "--config.model.moe_kernel=p
           "--config.model.norm_kernel=pallas"]
 
 
-def _shard_maps(overrides) -> int:
-    program = build_program(load_experiment(TINY, overrides), devices=jax.devices())
-    hlo = program.jitted_train_step().lower(program.placed_abstract_state(), program.abstract_batch()).as_text()
+def _shard_maps(hlo: str) -> int:
     return hlo.count("sdy.manual_computation")
+
+
+def _lowered_hlo(overrides) -> str:
+    program = build_program(load_experiment(TINY, overrides), devices=jax.devices())
+    return program.jitted_train_step().lower(program.placed_abstract_state(), program.abstract_batch()).as_text()
 
 
 def test_pallas_kernels_run_per_batch_shard_and_train_like_one_device(single):
@@ -164,10 +171,11 @@ def test_pallas_kernels_run_per_batch_shard_and_train_like_one_device(single):
     # One micro-batch: no data replicas' loop around them (parallel/grad_reduction.py; see
     # tests/test_gpu_lowering.py for kernels inside it).
     layers = load_experiment(TINY, overrides).model.num_hidden_layers
-    assert _shard_maps(overrides + ["--config.train.scan_layers=false"]) == 2 * (5 * layers + 1), \
+    assert _shard_maps(_lowered_hlo(overrides + ["--config.train.scan_layers=false"])) == 2 * (5 * layers + 1), \
         "a Pallas kernel is not shard_mapped over the batch axes"
-    assert _shard_maps(overrides + ["--config.train.scan_unroll=1"]) == 2 * (5 + 1) + 1
-    losses, params, _, norms = _run(overrides, jax.devices())
+    scanned = []  # the run's own program: one block per scan iteration (train.scan_unroll=1)
+    losses, params, _, norms = _run(overrides, jax.devices(), read_hlo=lambda hlo: scanned.append(_shard_maps(hlo)))
+    assert scanned == [2 * (5 + 1) + 1]
     ref_losses, ref_params, _, ref_norms = single
     np.testing.assert_allclose(losses, ref_losses, rtol=2e-5)
     np.testing.assert_allclose(norms, ref_norms, rtol=NORM_RTOL)
