@@ -1,7 +1,7 @@
 """Several CPU processes on JAX's distributed runtime (gloo), started by `zaya launch`.
 
 Each run is a real job: N processes with K fake CPU devices each, compared against one process
-holding the same devices (the same mesh and global batch). What is bit-identical and what is not:
+holding the same devices (the same mesh and global batch): the test's own, which trains in-process. What is bit-identical and what is not:
 the first step's loss (the same parameters, the same rows), the data lanes' positions (which
 documents were read) and a checkpoint restored into another process count. The gradients are
 summed across processes by gloo's ring all-reduce, in another order than XLA's all-reduce inside
@@ -10,6 +10,7 @@ the Adam moments after two steps) and the losses agree to about 1e-6, not exactl
 """
 
 import glob
+import io
 import json
 import os
 import re
@@ -17,10 +18,14 @@ import shutil
 import signal
 import time
 
+import jax
 import numpy as np
 import pytest
 
 from zaya_jax.checkpoint import orbax_store
+from zaya_jax.experiment import load_experiment
+from zaya_jax.train.loop import train
+from paths import TINY
 from zaya_process import zaya, zaya_env, zaya_started
 
 
@@ -34,10 +39,12 @@ def _train_args(workdir, steps, *extra):
             *SHORT, *extra]
 
 
-def _one(workdir, devices, steps, *extra):
-    done = zaya(*_train_args(workdir, steps, *extra), devices=devices)
-    assert done.returncode == 0, done.stderr[-3000:]
-    return done
+def _one(workdir, devices, steps, *extra) -> str:
+    """The same run in one process, the test's own (no distributed job): its console output."""
+    out = io.StringIO()
+    exp = load_experiment(TINY, [arg for arg in _train_args(workdir, steps, *extra) if arg.startswith("--config.")])
+    train(exp, str(workdir), devices=jax.devices()[:devices], out=out)
+    return out.getvalue()
 
 
 def _launch(workdir, processes, devices, steps, *extra, launch=()):
@@ -122,20 +129,21 @@ def test_a_checkpoint_reshards_over_1_2_and_4_processes_with_no_document_repeate
     assert _lanes(saved_by_two, half) == _lanes(whole, half)
     _same_losses(_records(saved_by_two, "loss"), {s: v for s, v in _records(whole, "loss").items() if s <= half})
 
-    for name, restore in {"1": lambda w: _one(w, 4, half), "4": lambda w: _launch(w, 4, 1, half)}.items():
-        workdir = tmp_path / f"restored_by_{name}"  # nothing left to train: the restored state is saved as is
+    # Restored by 1 and by 4: nothing left to train, the restored state is saved as is.
+    for name, restore in {"1": lambda w: _one(w, 4, half), "4": lambda w: _launch(w, 4, 1, half).stdout}.items():
+        workdir = tmp_path / f"restored_by_{name}"
         shutil.copytree(saved_by_two, workdir, ignore=shutil.ignore_patterns("model"))
-        assert "already trained to step 2" in restore(workdir).stdout
+        assert "already trained to step 2" in restore(workdir)
         _same_model(_model(workdir), _model(saved_by_two), exact=True, name=f"restored by {name}")
 
     runs = {"2 → 1": (saved_by_two, lambda w: _one(w, 4, steps)),
-            "2 → 4": (saved_by_two, lambda w: _launch(w, 4, 1, steps)),
-            "1 → 2": (whole, lambda w: _launch(w, 2, 2, steps))}
+            "2 → 4": (saved_by_two, lambda w: _launch(w, 4, 1, steps).stdout),
+            "1 → 2": (whole, lambda w: _launch(w, 2, 2, steps).stdout)}
     for name, (source, resume) in runs.items():
         workdir = tmp_path / name.replace(" → ", "_to_")
         shutil.copytree(source, workdir, ignore=shutil.ignore_patterns("model", str(steps)))
         out = resume(workdir)
-        assert f"resumed from {workdir}/checkpoints/{half} (step {half}" in out.stdout, name
+        assert f"resumed from {workdir}/checkpoints/{half} (step {half}" in out, name
         assert _lanes(workdir, steps) == _lanes(whole, steps), name
         losses = _records(workdir, "loss")
         _same_losses({s: losses[s] for s in range(half + 1, steps + 1)},
