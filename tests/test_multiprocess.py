@@ -97,7 +97,7 @@ def _launch_nodes(workdir, nodes, per_node, devices, steps, *extra):
 
 @pytest.mark.parametrize("nodes,per_node,devices,mesh,across", [
     (1, 2, 2, ["--config.mesh.sequence=2", "--config.mesh.fsdp=2", "--config.mesh.data=1"], "sequence"),
-    (2, 2, 2, ["--config.mesh.tsp=2", "--config.mesh.data=-1"], "data"),
+    (2, 2, 1, ["--config.mesh.tsp=2", "--config.mesh.data=-1"], "data"),
 ], ids=["2 processes, sequence across them", "4 processes on 2 nodes, tsp"])
 def test_processes_train_to_the_same_losses_as_one_process(tmp_path, nodes, per_node, devices, mesh, across):
     one, many = tmp_path / "one", tmp_path / "many"
