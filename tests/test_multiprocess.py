@@ -1,12 +1,13 @@
 """Several CPU processes on JAX's distributed runtime (gloo), started by `zaya launch`.
 
 Each run is a real job: N processes with K fake CPU devices each, compared against one process
-holding the same devices (the same mesh and global batch): the test's own, which trains in-process. What is bit-identical and what is not:
-the first step's loss (the same parameters, the same rows), the data lanes' positions (which
-documents were read) and a checkpoint restored into another process count. The gradients are
-summed across processes by gloo's ring all-reduce, in another order than XLA's all-reduce inside
-one process, so from the second step on the parameters differ in their last bits (about 1e-9 on
-the Adam moments after two steps) and the losses agree to about 1e-6, not exactly.
+holding the same devices (the same mesh and global batch): the test's own, which trains
+in-process. What is bit-identical and what is not: the first step's loss (the same parameters,
+the same rows), the data lanes' positions (which documents were read) and a checkpoint restored
+into another process count. The gradients are summed across processes by gloo's ring
+all-reduce, in another order than XLA's all-reduce inside one process, so from the second step
+on the parameters differ in their last bits (about 1e-9 on the Adam moments after two steps) and
+the losses agree to about 1e-6, not exactly.
 """
 
 import glob
@@ -42,7 +43,7 @@ def _train_args(workdir, steps, *extra):
 def _one(workdir, devices, steps, *extra) -> str:
     """The same run in one process, the test's own (no distributed job): its console output."""
     out = io.StringIO()
-    exp = load_experiment(TINY, [arg for arg in _train_args(workdir, steps, *extra) if arg.startswith("--config.")])
+    exp = load_experiment(TINY, [f"--config.train.steps={steps}", *SHORT, *extra])
     train(exp, str(workdir), devices=jax.devices()[:devices], out=out)
     return out.getvalue()
 

@@ -59,12 +59,12 @@ def test_a_train_checkpoint_in_one_process_compiles_nothing(tmp_path, compiles):
     finally:
         checkpoints.close()
     assert compiles.names == []
-    restored = checkpoints_restore(tmp_path, state)
+    restored = _restored(tmp_path, state)
     for key in state:
         np.testing.assert_array_equal(restored[key], state[key])
 
 
-def checkpoints_restore(tmp_path, state):
+def _restored(tmp_path, state):
     checkpoints = RunCheckpoints(str(tmp_path / "checkpoints"), keep=1)
     try:
         abstract = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding), state)

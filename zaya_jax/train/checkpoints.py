@@ -60,8 +60,8 @@ class RunCheckpoints:
             max_to_keep=keep, create=True, cleanup_tmp_directories=True,
             enable_async_checkpointing=async_save,
             async_options=ocp.AsyncOptions(post_finalization_callback=self._on_written) if async_save else None)
-        handlers = {"state": ocp.PyTreeCheckpointHandler(type_handler_registry=replica_writes.type_handler_registry()), "data": DataStateHandler(),
-                    "meta": ocp.JsonCheckpointHandler()}
+        state = ocp.PyTreeCheckpointHandler(type_handler_registry=replica_writes.type_handler_registry())
+        handlers = {"state": state, "data": DataStateHandler(), "meta": ocp.JsonCheckpointHandler()}
         try:
             self._manager = ocp.CheckpointManager(self.directory, options=options, item_handlers=handlers)
         except (OSError, ValueError) as e:
