@@ -173,3 +173,19 @@ def test_box_freeze_drops_what_the_box_has(tmp_path):
     names = dict(plan)
     assert "protobuf" not in names and skipped["protobuf"] == "on the box (7.40.0)"
     assert "flax" in names  # a root is always carried, pinned
+
+
+def test_wheel_versions_for_the_boxs_jax_and_pins(tmp_path, capsys):
+    here = dict(gpu_wheels.make_plan()[0])
+    on_011 = dict(gpu_wheels.make_plan(box_jax="0.11.2")[0])
+    assert on_011["flax"] == "0.12.11" and {k: v for k, v in on_011.items() if k != "flax"} == \
+        {k: v for k, v in here.items() if k != "flax"}
+    (tmp_path / "freeze.txt").write_text("jax==0.11.2\njaxlib==0.11.2\n")
+    assert dict(gpu_wheels.make_plan(str(tmp_path / "freeze.txt"))[0])["flax"] == "0.12.11"
+    pinned = dict(gpu_wheels.make_plan(box_jax="0.11.2", pins=["Flax==0.12.10", "optax==0.2.7"])[0])
+    assert (pinned["flax"], pinned["optax"]) == ("0.12.10", "0.2.7")
+    assert gpu_wheels.main(["--dry-run", "--pin", "notcarried==1"]) == 2
+    assert gpu_wheels.main(["--dry-run", "--pin", "flax"]) == 2
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 2 and "notcarried is not among the carried wheels" in err[0], err
+    assert err[1] == "gpu_wheels: error: --pin takes NAME==VERSION, got 'flax'"

@@ -11,6 +11,7 @@ import pytest
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from zaya_jax import jax_compat
 from zaya_jax.errors import ZayaError
 from zaya_jax.kernels import gpu_lowering, resources, tuning
 from zaya_jax.kernels.registry import resolve, target, targeting
@@ -68,6 +69,37 @@ def test_gate_names_a_kernel_that_triton_cannot_lower():
     out = pl.pallas_call(_sliced_mask_kernel, out_shape=jax.ShapeDtypeStruct((16,), jnp.float32),
                          interpret=True)(jnp.ones(16))
     assert float(out.sum()) == 14.0  # row 1 of the mask: columns 2..15
+
+
+def _loop_kernel(steps_of):
+    """Sums x over `steps_of(pid)` iterations: the grouped matmul's loop over its K blocks."""
+    def kernel(x_ref, o_ref):
+        steps = steps_of(pl.program_id(0))
+        o_ref[...] = jax.lax.fori_loop(0, steps, lambda i, acc: acc + x_ref[...], jnp.zeros_like(x_ref))
+    return kernel
+
+
+def _call(kernel):
+    return lambda x: pl.pallas_call(kernel, out_shape=jax.ShapeDtypeStruct((16,), jnp.float32), grid=(2,),
+                                    compiler_params=plgpu.CompilerParams())(x)
+
+
+@pytest.mark.parametrize("platform", PLATFORMS)
+def test_gate_names_a_kernel_whose_triton_module_triton_would_reject(platform):
+    """A select of two literals lowers to the predicate's type (i1), and an scf.for with an i1 bound
+    next to i32 ones is a module the GPU's Triton rejects while this lowering builds it without a
+    word: the grouped matmul's bug that the first H200 run found."""
+    _skip_unless_lowerable(platform)
+    x = (jax.ShapeDtypeStruct((16,), jnp.float32),)
+    rejected = _call(_loop_kernel(lambda pid: jnp.where(pid >= 0, 4, 0)))
+    with pytest.raises(ZayaError, match=r"^Triton would reject Pallas kernel .*'scf\.for' op failed to verify "
+                                        r"that all of \{lowerBound, upperBound, step\} have same type "
+                                        r"\(test_gpu_lowering\.py:\d+\)"):
+        gpu_lowering.lower(rejected, x, platform)
+    fixed = _call(_loop_kernel(lambda pid: (pid >= 0).astype(jnp.int32) * 4))  # the kernel's form now
+    assert sum(gpu_lowering.triton_calls(gpu_lowering.lower(fixed, x, platform)).values()) == 1
+    # the verifier is on inside the gate only: JAX's own builder is back after it
+    assert jax_compat.reaches()["triton_module_builder"].__module__ == "jax._src.pallas.triton.lowering"
 
 
 def test_targeting_sets_auto_backends_and_interpret_mode_then_restores_them():

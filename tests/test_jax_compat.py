@@ -18,6 +18,7 @@ PRIVATE = re.compile(r"jax\._src|_src\.|experimental_orbax|/jax/compilation_cach
 def test_every_reach_resolves_on_the_installed_jax():
     found = jax_compat.reaches()
     assert callable(found["backends_started"]) and callable(found["reset_compilation_cache"])
+    assert callable(found["triton_module_builder"])
     assert hasattr(found["distributed_state"], "client")
     assert isinstance(jax_compat.backends_started(), bool)
     assert jax_compat.in_distributed_run() is False  # this process joined no job

@@ -33,6 +33,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import glob
+import importlib.util
 import json
 import os
 import re
@@ -211,8 +212,9 @@ def device_slug(kind: str, target: str) -> str:
 # ---- the parts -------------------------------------------------------------------------------
 def run_tests(ctx: dict, budget: float) -> dict:
     files = sorted(os.path.relpath(f, ROOT) for f in glob.glob(os.path.join(ROOT, "tests", "test_kernels_*.py")))
-    cmd = [sys.executable, "-m", "pytest", "-q", "-rfE", "-p", "no:cacheprovider", *files]
-    run = run_child(cmd, child_env(ctx["target"]), budget)
+    cmd = [sys.executable, "-m", "pytest", "-q", "-rfE", "-p", "no:cacheprovider", *test_workers(), *files]
+    # Workers share the device: each takes memory as it needs it, not 75% up front.
+    run = run_child(cmd, child_env(ctx["target"], XLA_PYTHON_CLIENT_PREALLOCATE="false"), budget)
     out = {"seconds": run["seconds"], "files": files, **pytest_counts(run["lines"])}
     out["failures"] = [x[:240] for x in run["lines"] if x.startswith(("FAILED ", "ERROR "))][:12]
     if run["timed_out"]:
@@ -222,6 +224,14 @@ def run_tests(ctx: dict, budget: float) -> dict:
     if run["rc"] == 1:
         return {**out, "status": "failed", "error": f"{out.get('failed', 0)} failed, {out.get('errors', 0)} errors"}
     return {**out, "status": "error", "error": f"pytest exit status {run['rc']}: {last_words(run['lines'])}"}
+
+
+def test_workers() -> list[str]:
+    """pytest-xdist workers where it is installed: the kernel tests are compile-bound (about 6 s each on an
+    H200 run serially), and a GPU box has the cores to compile several at once."""
+    if importlib.util.find_spec("xdist") is None:
+        return []
+    return ["-n", str(max(1, min(8, (os.cpu_count() or 2) // 2)))]
 
 
 def pytest_counts(lines: list[str]) -> dict:
@@ -375,11 +385,15 @@ def is_oom(e: BaseException) -> bool:
 
 def step_worker(args) -> int:
     deadline = time.monotonic() + ((args.deadline - time.time()) if args.deadline else 600)
-    import jax
-    device = jax.devices()[0]
-    limit = memory_limit(device)
-    layers = args.layers
+    layers, limit = args.layers, None
     try:
+        from zaya_jax.experiment import load_experiment
+        # Loaded before JAX starts: a kernel backend that needs an XLA flag (moe_kernel=cudnn) sets it
+        # here, as `zaya train` does, while XLA will still read it.
+        load_experiment(EXPERIMENT, step_overrides(layers or 1, args.seq_len, args.batch) + args.overrides)
+        import jax
+        device = jax.devices()[0]
+        limit = memory_limit(device)
         if not layers:
             fit = fit_layers(args, limit)
             in_time = max(1, int((deadline - time.monotonic() - 60) / COMPILE_S_PER_LAYER))

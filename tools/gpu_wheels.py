@@ -5,11 +5,13 @@ image is taken to have already (`ON_BOX`: jax/jaxlib with the CUDA or ROCm plugi
 triton, torch, and their own dependencies), and the dependency closure of the roots, read from
 the Requires-Dist metadata of the packages installed in this environment (markers evaluated for
 CPython 3.12 on x86-64 Linux, extras followed). Versions are pinned to this environment's, so the
-box runs what the tests here ran. Left out on purpose (`NOT_NEEDED`): pyarrow (imported only
+box runs what the tests here ran, except where the box's JAX needs another (`FOR_BOX_JAX`: a box
+on jax 0.11 gets flax 0.12.11) or `--pin` names one. Left out on purpose (`NOT_NEEDED`): pyarrow (imported only
 lazily, for Parquet sources: `zaya_jax/data/sources.py`) and huggingface-hub (tokenizers needs it
 only for `Tokenizer.from_pretrained`; zaya reads tokenizer.json from a path).
 
-    python tools/gpu_wheels.py [--dest .whl] [--dry-run] [--box-freeze FILE]
+    python tools/gpu_wheels.py [--dest .whl] [--dry-run] [--box-freeze FILE] [--box-jax VERSION]
+        [--pin NAME==VERSION ...]
 
 `--box-freeze` takes `python3 -m pip list --format=freeze` from the box: a dependency the box
 already has at a version that meets the requirement is then not carried (the roots always are).
@@ -48,6 +50,11 @@ NOT_NEEDED = {
     "pyarrow": "imported only lazily, for Parquet sources (zaya_jax/data/sources.py); large",
     "huggingface-hub": "tokenizers uses it only for from_pretrained downloads; zaya reads tokenizer.json from a path",
 }
+# Versions that differ from this environment's for a box on another JAX (by its major.minor), as
+# measured: flax 0.12.8 (jax 0.10's) imports jax.experimental.hijax.HiPrimitive, which jax 0.11.2
+# lacks, so it fails at `from flax import nnx` on such a box; flax 0.12.11 runs there (an H200
+# with jax 0.11.2, 2026-11-26). `--pin` overrides any of these.
+FOR_BOX_JAX = {"0.11": {"flax": "0.12.11"}}
 TARGET_ENV = {"python_version": "3.12", "python_full_version": "3.12.3", "sys_platform": "linux",
               "platform_system": "Linux", "platform_machine": "x86_64", "os_name": "posix",
               "implementation_name": "cpython", "platform_python_implementation": "CPython"}
@@ -148,14 +155,39 @@ def installed(name: str) -> tuple[str | None, list[str]]:
     return dist.version, list(dist.requires or [])
 
 
-def make_plan(box_freeze: str | None = None) -> tuple[list[tuple[str, str | None]], dict[str, str]]:
-    """([(name, pinned version or None)], {skipped: why}) for this environment."""
+def make_plan(box_freeze: str | None = None, box_jax: str | None = None,
+              pins: Iterable[str] = ()) -> tuple[list[tuple[str, str | None]], dict[str, str]]:
+    """([(name, pinned version or None)], {skipped: why}) for this environment.
+
+    Versions are this environment's, except where the box's JAX (`box_jax`, else the jax of
+    `box_freeze`) needs others (`FOR_BOX_JAX`) and where `pins` ("name==version") say otherwise.
+    """
     box: dict[str, str | None] = dict.fromkeys(ON_BOX)
     if box_freeze:
         box.update(read_freeze(box_freeze))
     carried, skipped = closure(ROOTS, lambda n: installed(n)[1], box_skip(box))
-    plan = [(name, installed(name)[0]) for name in sorted(carried)]
-    return plan, skipped
+    versions = {name: installed(name)[0] for name in carried}
+    versions.update(jax_pins(box_jax or box.get("jax")))
+    for name, version in map(parse_pin, pins):
+        if name not in versions:
+            raise UsageError(f"--pin {name}=={version}: {name} is not among the carried wheels "
+                             f"({', '.join(sorted(versions))})")
+        versions[name] = version
+    return sorted(versions.items()), skipped
+
+
+def jax_pins(box_jax: str | None) -> dict[str, str]:
+    """The versions a box running jax `box_jax` needs instead of this environment's."""
+    if not box_jax:
+        return {}
+    return FOR_BOX_JAX.get(".".join(box_jax.split(".")[:2]), {})
+
+
+def parse_pin(text: str) -> tuple[str, str]:
+    name, sep, version = text.partition("==")
+    if not sep or not name.strip() or not version.strip():
+        raise UsageError(f"--pin takes NAME==VERSION, got {text!r}")
+    return canonical(name.strip()), version.strip()
 
 
 def spec(name: str, version: str | None) -> str:
@@ -233,13 +265,17 @@ def parse_args(argv):
     parser.add_argument("--dest", default=os.path.join(ROOT, ".whl"), help="wheel folder (default: .whl/)")
     parser.add_argument("--dry-run", action="store_true", help="print the plan; download nothing")
     parser.add_argument("--box-freeze", help="pip list --format=freeze of the box: skip what it already has")
+    parser.add_argument("--box-jax", help="the box's jax version, where no --box-freeze gives it (0.11.2 ...): "
+                        "picks the versions that run on it")
+    parser.add_argument("--pin", action="append", default=[], metavar="NAME==VERSION",
+                        help="carry this version instead of this environment's (repeatable)")
     return parser.parse_args(argv)
 
 
 def main(argv=None) -> int:
     try:
         args = parse_args(argv)
-        plan, skipped = make_plan(args.box_freeze)
+        plan, skipped = make_plan(args.box_freeze, args.box_jax, args.pin)
         if not args.dry_run:
             try:
                 os.makedirs(args.dest, exist_ok=True)

@@ -5,7 +5,9 @@
   `in_distributed_run`, `wait_at_barrier`, `key_value_set`, `key_value_dir_get`;
 - Orbax's absl flag that makes it synchronise through that runtime: `use_orbax_coordination_barriers`;
 - the monitoring event JAX records for a compile served from the persistent cache: `CACHE_HIT_EVENT`,
-  and the reset of JAX's cache choice: `reset_compilation_cache`.
+  and the reset of JAX's cache choice: `reset_compilation_cache`;
+- Pallas's Triton module builder, wrapped so that every module it builds is verified as Triton will
+  verify it on the GPU: `verifying_triton_modules`.
 
 Each reach resolves when it is first used. Where an upgrade moved what it reaches for, the caller
 gets a one-line `ZayaError` naming the JAX version and what moved, never an AttributeError from
@@ -16,6 +18,9 @@ module before it decides whether JAX is needed at all).
 
 from __future__ import annotations
 
+import contextlib
+import os
+import re
 import sys
 
 from zaya_jax.errors import ZayaError
@@ -38,6 +43,7 @@ def _moved(what: str, detail: str) -> JaxInternalsMoved:
 _BACKENDS_STARTED = ("jax._src.xla_bridge", "backends_are_initialized", "the 'backends started' query")
 _DISTRIBUTED_STATE = ("jax._src.distributed", "global_state", "the distributed runtime's state")
 _CACHE_RESET = ("jax.experimental.compilation_cache.compilation_cache", "reset_cache", "the compilation cache reset")
+_TRITON_MODULE = ("jax._src.pallas.triton.lowering", "lower_jaxpr_to_triton_module", "Pallas's Triton module builder")
 
 
 def _private(module: str, attribute: str, what: str):
@@ -98,6 +104,51 @@ def reset_compilation_cache() -> None:
     _private(*_CACHE_RESET)()
 
 
+class TritonWouldReject(ZayaError):
+    """A Pallas kernel lowered to a Triton module that Triton's verifier rejects."""
+
+
+@contextlib.contextmanager
+def verifying_triton_modules():
+    """Verify every Triton module Pallas builds inside the block, as Triton does when it compiles one.
+
+    JAX builds the module in Python and hands it on unverified (jaxlib 0.10 and 0.12 to XLA, which
+    parses it on the GPU), so a module Triton rejects otherwise lowers cleanly on a machine without
+    one. A rejected module raises `TritonWouldReject` naming the kernel and Triton's first error.
+    """
+    import importlib
+
+    module = importlib.import_module(_TRITON_MODULE[0])
+    build = _private(*_TRITON_MODULE)
+
+    def verified(jaxpr, *args, **kwargs):
+        result = build(jaxpr, *args, **kwargs)
+        if not hasattr(result, "module"):
+            raise _moved("the Triton module of Pallas's lowering result", f"{type(result).__name__} has no 'module'")
+        try:
+            result.module.operation.verify()
+        except Exception as e:  # jaxlib's MLIRError; its text lists each diagnostic
+            raise TritonWouldReject(f"Triton would reject Pallas kernel {jaxpr.debug_info.func_name}: "
+                                    f"{_first_diagnostic(e)}") from None
+        return result
+
+    setattr(module, _TRITON_MODULE[1], verified)
+    try:
+        yield
+    finally:
+        setattr(module, _TRITON_MODULE[1], build)
+
+
+def _first_diagnostic(e: Exception) -> str:
+    """'op failed to verify ...' with the kernel source line, from an MLIR verification error's text."""
+    lines = [x.strip() for x in str(e).splitlines() if x.strip().startswith("error:")]
+    if not lines:
+        return str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+    where = re.search(r'"([^"]+\.py)":(\d+)', lines[0])
+    message = lines[0].split("): ", 1)[-1] if "): " in lines[0] else lines[0][len("error:"):].strip()
+    return f"{message} ({os.path.basename(where[1])}:{where[2]})" if where else message
+
+
 def reaches() -> dict:
     """Every reach resolved on the installed JAX (for tests/test_jax_compat.py): name → what it found."""
     import jax
@@ -106,5 +157,6 @@ def reaches() -> dict:
         "backends_started": _private(*_BACKENDS_STARTED),
         "distributed_state": _private(*_DISTRIBUTED_STATE),
         "reset_compilation_cache": _private(*_CACHE_RESET),
+        "triton_module_builder": _private(*_TRITON_MODULE),
         "jax": jax.__version__,
     }

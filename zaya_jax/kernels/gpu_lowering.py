@@ -2,8 +2,10 @@
 
 `jax.jit(f).trace(...).lower(lowering_platforms=("cuda",))` runs Pallas's Triton lowering in
 Python, so a kernel that Triton cannot express (an unsupported primitive, a bad block shape)
-fails here, on CPU, with the error it would give on the GPU. The CPU interpreter, which runs the
-same kernels in tests, accepts many such programs. This module owns:
+fails here, on CPU, with the error it would give on the GPU; each Triton module is also put
+through Triton's verifier here (JAX hands it on unverified, and the GPU compiler would reject it:
+the first H200 run found a loop whose bounds differed in type that way). The CPU interpreter,
+which runs the same kernels in tests, accepts many such programs. This module owns:
 
 - `lower(fn, args, platform)`: the StableHLO text of `fn` lowered for `cuda` or `rocm`, traced
   under that kernel target (so `auto` kernels, interpret mode and tuning rows are the GPU's);
@@ -29,6 +31,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
+from zaya_jax import jax_compat
 from zaya_jax.errors import ZayaError, quoted
 from zaya_jax.kernels import ops
 from zaya_jax.kernels.registry import GPU_TARGETS, targeting
@@ -81,9 +84,10 @@ def check_platform(platform: str) -> str:
 
 def lower(fn: Callable, args, platform: str) -> str:
     """StableHLO text of jit(fn)(*args) lowered for `platform` ('cuda' or 'rocm'), traced for that
-    target and for its lowering device (`lowering_device`)."""
+    target and for its lowering device (`lowering_device`); each Triton module verified as Triton
+    will verify it on the GPU (`jax_compat.verifying_triton_modules`)."""
     mesh = jax.sharding.get_abstract_mesh().update(abstract_device=lowering_device(platform))
-    with targeting(platform), jax.sharding.use_abstract_mesh(mesh):
+    with targeting(platform), jax.sharding.use_abstract_mesh(mesh), jax_compat.verifying_triton_modules():
         return jax.jit(fn).trace(*args).lower(lowering_platforms=(platform,)).as_text()
 
 

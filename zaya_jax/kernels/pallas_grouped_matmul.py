@@ -145,7 +145,9 @@ def _grouped_kernel(group_ref, tile_ref, starts_ref, ends_ref, lhs_ref, rhs_ref,
             dims = (((1,), (0,)), ((), ()))
         return acc + lax.dot_general(a, b, dims, precision=precision, preferred_element_type=jnp.float32)
 
-    steps = jnp.where((group >= 0) & (group < num_groups), pl.cdiv(kdim, bk), 0)
+    # Not jnp.where(valid, cdiv, 0): Pallas's Triton lowering gives a select of two literals the
+    # predicate's type (i1), and Triton rejects an scf.for whose bounds differ in type.
+    steps = ((group >= 0) & (group < num_groups)).astype(jnp.int32) * pl.cdiv(kdim, bk)
     acc = lax.fori_loop(0, steps, step, jnp.zeros((bm, bn), jnp.float32))
     plgpu.store(out_ref.at[pl.ds(tile * bm, bm), pl.ds(col_tile * bn, bn)], acc.astype(out_ref.dtype),
                 mask=row_ok[:, None] & col_ok[None, :])

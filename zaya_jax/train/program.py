@@ -20,6 +20,7 @@ knows it (`MeshSchedule.zigzagged`). The loss and metrics are sums over tokens: 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import math
@@ -30,6 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from zaya_jax import jax_compat
 from zaya_jax.errors import ZayaError
 from zaya_jax.experiment import Experiment, load_experiment
 from zaya_jax.kernels.gpu_lowering import lowering_device
@@ -204,7 +206,9 @@ class Program:
 
     def lower_train_step(self, platform: str | None = None):
         """The train step lowered from abstract shapes for `platform` (default: the kernel target)."""
-        return self._traced_train_step().lower(lowering_platforms=(platform or self.target,))
+        platform = platform or self.target
+        with _checked_lowering(platform):
+            return self._traced_train_step().lower(lowering_platforms=(platform,))
 
     def compile_train_step(self):
         """AOT-compile the train step from abstract shapes; returns (compiled, seconds)."""
@@ -223,7 +227,8 @@ class Program:
         clock = [time.perf_counter()]
         traced = self._traced_train_step()
         clock.append(time.perf_counter())
-        lowered = traced.lower()
+        with _checked_lowering(self.target):
+            lowered = traced.lower()
         clock.append(time.perf_counter())
         compiled = lowered.compile()
         clock.append(time.perf_counter())
@@ -314,3 +319,10 @@ def program_for_target(config: str, overrides, target: str, devices=None) -> Pro
     with targeting(target):  # backends are checked against the target, not this machine
         exp = load_experiment(config, list(overrides))
     return build_program(exp, devices, target)
+
+
+def _checked_lowering(platform: str):
+    """For a GPU platform, Triton's verifier on every Pallas kernel as it is lowered: a kernel Triton
+    would reject is one line naming it here, not an IR dump from the GPU compiler (or, lowered on a
+    machine without the GPU, nothing at all)."""
+    return jax_compat.verifying_triton_modules() if platform in GPU_TARGETS else contextlib.nullcontext()
