@@ -17,6 +17,7 @@ listed in `tests/slow_tests.txt` (the measured slowest; `tools/slow_tests.py` ma
 """
 
 import json
+import logging
 import os
 import shutil
 import tempfile
@@ -46,6 +47,26 @@ def pytest_unconfigure(config):
     for made in (_CACHE_MADE_HERE, _GROUPS_MADE_HERE):
         if made:
             shutil.rmtree(made, ignore_errors=True)
+
+
+@pytest.fixture
+def compiles(caplog):
+    """The names of the programs XLA compiles inside the `with` block it returns (`.names`)."""
+    import jax
+
+    class Counter:
+        def __enter__(self):
+            caplog.clear()
+            self._log = jax.log_compiles(True)
+            self._log.__enter__()
+            return self
+
+        def __exit__(self, *exc):
+            self._log.__exit__(*exc)
+            self.names = [r.getMessage().split()[1] for r in caplog.records if r.getMessage().startswith("Compiling")]
+
+    caplog.set_level(logging.WARNING)
+    return Counter()
 
 
 def _listed_slow() -> set[str]:

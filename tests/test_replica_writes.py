@@ -5,35 +5,15 @@ Orbax's default on CPU splits every replicated array among its replicas, one sli
 array shape and replica, compiled at the save; the shapes here are this test's own, so a program
 compiled by another test cannot hide one."""
 
-import logging
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-import pytest
 from jax.sharding import NamedSharding, PartitionSpec
 
 from zaya_jax.checkpoint import orbax_store, replica_writes
 from zaya_jax.config import ModelConfig
 from zaya_jax.train.checkpoints import RunCheckpoints
-
-
-@pytest.fixture
-def compiles(caplog):
-    """The names of the programs XLA compiles inside the `with` block it returns."""
-    class Counter:
-        def __enter__(self):
-            caplog.clear()
-            self._log = jax.log_compiles(True)
-            self._log.__enter__()
-            return self
-
-        def __exit__(self, *exc):
-            self._log.__exit__(*exc)
-            self.names = [r.getMessage().split()[1] for r in caplog.records if r.getMessage().startswith("Compiling")]
-
-    caplog.set_level(logging.WARNING)
-    return Counter()
 
 
 def _replicated(shapes):

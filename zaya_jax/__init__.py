@@ -1,7 +1,8 @@
 """zaya-jax: the ZAYA1 training stack in JAX/XLA.
 
 Public surface: `zaya_jax.load(path)` returns a callable model from an Orbax checkpoint written
-by this project or a Hugging Face ZAYA directory; `ModelConfig` and `preset` describe models.
+by this project or a Hugging Face ZAYA directory; `zaya_jax.generate(model, prompts, ...)`
+continues token-id prompts with a cache; `ModelConfig` and `preset` describe models.
 """
 
 from zaya_jax.config import ModelConfig, preset
@@ -19,4 +20,11 @@ def load(path: str, compute_dtype: str = "float32", **kernels):
     return _load(path, compute_dtype=compute_dtype, **kernels)
 
 
-__all__ = ["ModelConfig", "ZayaError", "load", "preset", "__version__"]
+def generate(model, prompts, **options):
+    """New token ids for each prompt (a list of token ids); see `zaya_jax.generation.generate`."""
+    from zaya_jax.generation import generate as _generate
+
+    return _generate(model, prompts, **options)
+
+
+__all__ = ["ModelConfig", "ZayaError", "generate", "load", "preset", "__version__"]

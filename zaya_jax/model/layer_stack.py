@@ -96,6 +96,18 @@ def run_blocks(blocks: tuple, mixers: Mapping[str, tuple], kinds: str, h: jax.Ar
     return carry[0], jax.tree.map(lambda a: a.reshape(len(kinds), *a.shape[2:]), routing)
 
 
+def each_layer(blocks: tuple, mixers: Mapping[str, tuple], kinds: str):
+    """(layer index, kind, block, mixer) for every layer in order, unstacked one at a time (for
+    paths that walk the layers in Python, such as generation's cached step), from the same
+    (graphdef, stacked state) pairs as `run_blocks`."""
+    block_def, block_state = blocks
+    seen = dict.fromkeys(mixers, 0)
+    for i, kind in enumerate(kinds):
+        mixer_def, mixer_state = mixers[kind]
+        yield i, kind, nnx.merge(block_def, _row(block_state, i)), nnx.merge(mixer_def, _row(mixer_state, seen[kind]))
+        seen[kind] += 1
+
+
 def _stack(trees: list):
     return jax.tree.map(lambda *leaves: jnp.stack(leaves), *trees)
 

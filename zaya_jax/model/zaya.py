@@ -96,7 +96,7 @@ class Zaya(nnx.Module):
         """
         cfg, dtype = self.cfg, self.compute_dtype
         seq = sequence_info(input_ids.shape, segment_ids, positions, max_lag=max_lag(cfg))
-        h = self.input_affine(schedule.embed(self.embedding[...], input_ids))
+        h = self.embed(input_ids, schedule)
         no_router_state = jnp.zeros((*h.shape[:-1], cfg.router_hidden_size), jnp.float32)
 
         def step(block, mixer, h, router_state):
@@ -106,6 +106,10 @@ class Zaya(nnx.Module):
         h, routing = run_blocks(blocks, mixers, cfg.layer_kinds, h, no_router_state, step, remat=remat, scan=scan,
                                 unroll=unroll)
         return self.final_norm(h, jnp.float32, schedule), routing
+
+    def embed(self, input_ids: jax.Array, schedule: Schedule = LOCAL) -> jax.Array:
+        """The residual stream's start [B, S, H]: the tokens' embedding rows through the input affine."""
+        return self.input_affine(schedule.embed(self.embedding[...], input_ids))
 
     def logits(self, hidden: jax.Array) -> jax.Array:
         """Tied LM head in fp32."""
