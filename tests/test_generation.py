@@ -143,7 +143,28 @@ def test_bad_arguments_are_one_line_errors(kwargs, words):
     assert words in str(e.value) and "\n" not in str(e.value)
 
 
-def test_a_hybrid_model_is_refused_in_words():
-    model = _random(preset("tiny", layer_pattern="LC"), 0)
-    with pytest.raises(ZayaError, match="generation runs CCA layers only; .* has linear-attention layers"):
-        generate(model, [[1, 2]], max_new_tokens=2)
+HYBRIDS = {  # no Hugging Face counterpart: the cached step against our uncached forward
+    "retention": CONFIGS["g2"] | dict(layer_pattern="LC", linear_decay="retention", num_hidden_layers=4),
+    "no-decay": CONFIGS["g4"] | dict(layer_pattern="LLC", linear_decay="none", linear_feature_map="silu",
+                                     num_hidden_layers=3),
+}
+
+
+@pytest.mark.parametrize("name", sorted(HYBRIDS))
+def test_a_hybrid_models_cached_logits_equal_its_uncached_forward(name):
+    cfg = preset("tiny", **HYBRIDS[name])
+    model = _random(cfg, 1)
+    prompts = [[5, 17, 3, 99, 42, 7, 8, 1, 2, 3], [11, 2]]
+    together = generate(model, prompts, max_new_tokens=8)
+    for prompt, tokens in zip(prompts, together):
+        full = jnp.asarray([prompt + tokens])
+        want = np.asarray(model(full))[0, len(prompt) - 1:-1]
+        cache = decode.empty_cache(cfg, jnp.zeros(1, jnp.int32), full.shape[1])
+        logits, cache = decode.step(model, full[:, :len(prompt)], cache)
+        got = [np.asarray(logits[0])]
+        for t in range(len(prompt), full.shape[1] - 1):
+            logits, cache = decode.step(model, full[:, t:t + 1], cache)
+            got.append(np.asarray(logits[0]))
+        np.testing.assert_allclose(np.stack(got), want, atol=2e-5 * np.abs(want).max())
+        assert tokens == generate(model, [prompt], max_new_tokens=8)[0]
+    assert cache.linear_state.shape[0] == cfg.layer_kinds.count("L") > 0

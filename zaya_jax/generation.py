@@ -82,7 +82,6 @@ def _choose(logits, key, temperature: float, top_k: int | None, top_p: float | N
 
 
 def _check(cfg, prompts, max_new_tokens, temperature, top_k, top_p) -> list[list[int]]:
-    decode.check_supported(cfg)
     if isinstance(prompts, (str, bytes)) or not len(prompts):
         raise ZayaError("prompts must be a non-empty list of token-id lists")
     rows = [[int(t) for t in p] for p in prompts]

@@ -103,6 +103,15 @@ def chunk_state(k, v, segment_ids, log_decay, nq: int):
     return jnp.einsum("ngt,bt,btnd,btne->bngde", to_end, last_doc, k.astype(jnp.float32), v.astype(jnp.float32))
 
 
+def carry_state(state, k, v, segment_ids, log_decay, nq: int):
+    """The state leaving a row of tokens, fp32 [B, nk, g, dk, dv], from the state entering it, where
+    the row's last document continues the entering state's (generation's step):
+    λ^S · state + the row's own state (`chunk_state`)."""
+    length, nk = k.shape[1], k.shape[2]
+    decay = jnp.exp(_rates(log_decay, nk, nq) * length)[None, :, :, None, None]
+    return decay * state.astype(jnp.float32) + chunk_state(k, v, segment_ids, log_decay, nq)
+
+
 def entering_states(own, ends, log_decay, nq: int, chunk: int, rows=None):
     """The state entering each chunk from the chunks' own states `own` [B, n, nk, g, dk, dv] and their
     last tokens' segment ids `ends` [B, n]: M_{c−1} = Σ_{j<c} λ^(C·(c−1−j)) own_j while every chunk

@@ -6,7 +6,10 @@ A batch of prompts is left-padded to one length, so every row writes the cache a
 them (attention, convolution taps and the delayed value all stop at a document start), and they
 look only at each other, so their values stay finite.
 
-Per CCA layer the cache holds exactly what the layer reads of the past:
+Each layer's cache holds exactly what it reads of the past. A linear-attention layer (hybrid
+models) holds its recurrent state, fp32 [B, nk, g, dk, dv] per layer whatever the length: the new
+tokens read it as the state entering their row (`kernels.linear_attention`'s `initial_state`) and
+leave `linear_attention.carry_state`. A CCA layer holds
 
 - its keys and values, [B, T, nk, d] for T slots;
 - its look-back: the last `cca.look_back(cfg)` rows of its input (the normed hidden state). The
@@ -32,7 +35,9 @@ import jax.numpy as jnp
 from zaya_jax import kernels
 from zaya_jax.config import ModelConfig
 from zaya_jax.errors import ZayaError
-from zaya_jax.model import cca
+from zaya_jax.kernels import linear_attention as la
+from zaya_jax.kernels import ops as kernel_ops
+from zaya_jax.model import cca, linear_attn
 from zaya_jax.model.layer_stack import each_layer
 from zaya_jax.model.schedule import LOCAL
 from zaya_jax.model.segments import sequence_info
@@ -45,6 +50,7 @@ class Cache:
     look_back: jax.Array  # [L_C, B, K, H] each CCA layer's last K input rows (compute dtype)
     keys: jax.Array  # [L_C, B, T, nk, d]
     values: jax.Array  # [L_C, B, T, nk, d]
+    linear_state: jax.Array  # [L_L, B, nk, g, d, d] each linear-attention layer's state, fp32
     start: jax.Array  # int32 [B]: each row's first real slot
     length: jax.Array  # int32 []: slots written so far
 
@@ -53,28 +59,27 @@ class Cache:
         return self.keys.shape[2]
 
 
-jax.tree_util.register_dataclass(Cache, data_fields=["look_back", "keys", "values", "start", "length"],
+FIELDS = {"C": ("look_back", "keys", "values"), "L": ("linear_state",)}  # each layer kind's part
+jax.tree_util.register_dataclass(Cache, data_fields=[*FIELDS["C"], *FIELDS["L"], "start", "length"],
                                  meta_fields=[])
-
-
-def check_supported(cfg: ModelConfig) -> None:
-    if "L" in cfg.layer_kinds:
-        raise ZayaError(f"generation runs CCA layers only; this model's layer pattern {cfg.layer_pattern!r} "
-                        "has linear-attention layers")
 
 
 def empty_cache(cfg: ModelConfig, start: jax.Array, slots: int) -> Cache:
     """A cache of `slots` slots for rows whose first real token is at slot `start` [B]."""
-    check_supported(cfg)
-    layers, batch = len(cfg.layer_kinds), start.shape[0]
+    kinds, batch, d = cfg.layer_kinds, start.shape[0], cfg.head_dim
     dtype = jnp.dtype(cfg.compute_dtype)
-    kv = jnp.zeros((layers, batch, slots, cfg.num_key_value_heads, cfg.head_dim), dtype)
-    return Cache(look_back=jnp.zeros((layers, batch, cca.look_back(cfg), cfg.hidden_size), dtype),
-                 keys=kv, values=kv, start=start.astype(jnp.int32), length=jnp.zeros((), jnp.int32))
+    cca_layers, linear_layers = kinds.count("C"), kinds.count("L")
+    kv = jnp.zeros((cca_layers, batch, slots, cfg.num_key_value_heads, d), dtype)
+    return Cache(look_back=jnp.zeros((cca_layers, batch, cca.look_back(cfg), cfg.hidden_size), dtype),
+                 keys=kv, values=kv,
+                 linear_state=jnp.zeros((linear_layers, batch, cfg.num_key_value_heads, cfg.kv_groups, d, d),
+                                        jnp.float32),
+                 start=start.astype(jnp.int32), length=jnp.zeros((), jnp.int32))
 
 
 def cache_bytes_per_token(cfg: ModelConfig) -> int:
-    """Bytes the cache grows by per slot and layer: a key and a value per KV head."""
+    """Bytes a CCA layer's cache grows by per slot: a key and a value per KV head (a linear layer's
+    state does not grow)."""
     return 2 * cfg.num_key_value_heads * cfg.head_dim * jnp.dtype(cfg.compute_dtype).itemsize
 
 
@@ -89,22 +94,17 @@ def step(model, input_ids: jax.Array, cache: Cache) -> tuple[jax.Array, Cache]:
     router_state = jnp.zeros((batch, new, cfg.router_hidden_size), jnp.float32)
     slot = cache.length + jnp.arange(new, dtype=jnp.int32)
     segments = jnp.where(slot[None, :] >= cache.start[:, None], TOKEN_SEGMENT, PAD_SEGMENT)
-    look_back, keys, values = [], [], []
+    written = {kind: [] for kind in FIELDS}
     blocks, mixers = model.layers.split(cfg)
-    for i, _, block, mixer in each_layer(blocks, mixers, cfg.layer_kinds):
-        cached = _CachedAttention(mixer, jax.tree.map(lambda a, i=i: a[i], _layer_view(cache)), cache, segments)
+    for kind, j, block, mixer in each_layer(blocks, mixers, cfg.layer_kinds):
+        mine = tuple(getattr(cache, name)[j] for name in FIELDS[kind])
+        cached = CACHED[kind](mixer, mine, cache, segments)
         h, router_state, _ = block(cached, h, router_state, None, dtype)
-        look_back.append(cached.out[0])
-        keys.append(cached.out[1])
-        values.append(cached.out[2])
+        written[kind].append(cached.out)
+    updates = {name: jnp.stack(parts) for kind, layers in written.items() if layers
+               for name, parts in zip(FIELDS[kind], zip(*layers))}
     hidden = model.final_norm(h[:, -1:], jnp.float32)
-    new_cache = dataclasses.replace(cache, look_back=jnp.stack(look_back), keys=jnp.stack(keys),
-                                    values=jnp.stack(values), length=cache.length + new)
-    return model.logits(hidden)[:, 0], new_cache
-
-
-def _layer_view(cache: Cache) -> tuple:
-    return cache.look_back, cache.keys, cache.values
+    return model.logits(hidden)[:, 0], dataclasses.replace(cache, **updates, length=cache.length + new)
 
 
 class _CachedAttention:
@@ -137,3 +137,27 @@ class _CachedAttention:
                                       kv_segment_ids=key_segments, q_offset=self.cache.length, backend="xla")
         self.out = (window[:, -rows:], keys, values)
         return jnp.einsum("bsnd,ndh->bsh", out, w["wo"])
+
+
+class _CachedLinearAttention:
+    """A linear-attention layer run from its cached state, in the place `Block` calls its mixer; the
+    state leaving the new tokens is left in `out`."""
+
+    def __init__(self, layer: linear_attn.LinearAttention, layer_cache: tuple, cache: Cache, segments: jax.Array):
+        self.layer, (self.state,), self.segments = layer, layer_cache, segments
+        self.out = None
+
+    def __call__(self, x: jax.Array, seq, schedule=LOCAL) -> jax.Array:
+        del seq, schedule
+        cfg = self.layer.cfg
+        w = linear_attn.group_major(self.layer.params(), cfg, x.dtype)
+        q, k, v = linear_attn.project(x, w, cfg)
+        # Every row's real tokens are one document that the state continues; pad tokens read none of it.
+        owner = jnp.full(x.shape[:1], TOKEN_SEGMENT, jnp.int32)
+        attn = kernel_ops.linear_attention(q, k, v, self.segments, log_decay=w["log_decay"], initial_state=self.state,
+                                           initial_segment=owner, backend="xla")
+        self.out = (la.carry_state(self.state, k, v, self.segments, w["log_decay"], cfg.num_attention_heads),)
+        return linear_attn.output(attn, x, w, cfg).astype(x.dtype)
+
+
+CACHED = {"C": _CachedAttention, "L": _CachedLinearAttention}

@@ -97,15 +97,16 @@ def run_blocks(blocks: tuple, mixers: Mapping[str, tuple], kinds: str, h: jax.Ar
 
 
 def each_layer(blocks: tuple, mixers: Mapping[str, tuple], kinds: str):
-    """(layer index, kind, block, mixer) for every layer in order, unstacked one at a time (for
-    paths that walk the layers in Python, such as generation's cached step), from the same
-    (graphdef, stacked state) pairs as `run_blocks`."""
+    """(kind, index among the layers of that kind, block, mixer) for every layer in order, unstacked
+    one at a time (for paths that walk the layers in Python, such as generation's cached step),
+    from the same (graphdef, stacked state) pairs as `run_blocks`."""
     block_def, block_state = blocks
     seen = dict.fromkeys(mixers, 0)
     for i, kind in enumerate(kinds):
         mixer_def, mixer_state = mixers[kind]
-        yield i, kind, nnx.merge(block_def, _row(block_state, i)), nnx.merge(mixer_def, _row(mixer_state, seen[kind]))
+        j = seen[kind]
         seen[kind] += 1
+        yield kind, j, nnx.merge(block_def, _row(block_state, i)), nnx.merge(mixer_def, _row(mixer_state, j))
 
 
 def _stack(trees: list):
