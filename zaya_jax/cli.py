@@ -63,6 +63,9 @@ def build_parser() -> argparse.ArgumentParser:
     from zaya_jax.bench.command import add_parser as add_bench
 
     add_bench(jobs)
+    from zaya_jax.generation_command import add_parser as add_generate
+
+    add_generate(jobs)
     report = jobs.add_parser("report", help="a run's goodput: productive step time, time lost per cause, incidents",
                              description="Read WORKDIR/events.jsonl (every attempt of a run) and print its goodput.")
     report.add_argument("workdir", metavar="WORKDIR", help="the --workdir of a zaya train run")
@@ -180,6 +183,12 @@ def _launch(args: argparse.Namespace, extra: list[str]) -> int:
     return launch(args, extra, started_at=_process_started_at())
 
 
+def _generate(args: argparse.Namespace, extra: list[str]) -> int:
+    from zaya_jax.generation_command import generate_command
+
+    return generate_command(args, extra)
+
+
 def _convert(args: argparse.Namespace, extra: list[str]) -> int:
     if extra:
         raise ZayaError(f"unrecognized arguments: {' '.join(extra)}")
@@ -196,7 +205,7 @@ def _convert(args: argparse.Namespace, extra: list[str]) -> int:
 
 # Each subcommand of build_parser(): (parsed args, arguments it did not know) -> exit status.
 COMMANDS = {"train": _train, "report": _report, "launch": _launch, "mesh": _mesh, "bench": _bench,
-            "template": _template, "convert": _convert}
+            "template": _template, "convert": _convert, "generate": _generate}
 
 
 def main(argv: list[str] | None = None) -> int:

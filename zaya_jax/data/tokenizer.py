@@ -82,16 +82,24 @@ class HFTokenizer:
 
 def load_tokenizer(spec: str, eos_id: int | None = None, pad_id: int | None = None):
     """"bytes" → ByteTokenizer; a tokenizer.json (or a directory holding one) → HFTokenizer."""
-    if spec == "bytes":
+    resolved = resolve_spec(spec)
+    if resolved == "bytes":
         if eos_id not in (None, ByteTokenizer.eos_id) or pad_id not in (None, ByteTokenizer.pad_id):
             raise ZayaError("the bytes tokenizer has fixed ids (eos 2, pad 0); drop eos_id/pad_id")
         return ByteTokenizer()
+    return HFTokenizer(resolved, eos_id=eos_id, pad_id=pad_id)
+
+
+def resolve_spec(spec: str) -> str | Path:
+    """"bytes", or the tokenizer.json a path names (itself, or the one in the directory it names)."""
+    if spec == "bytes":
+        return spec
     path = Path(spec).expanduser()
     if path.is_dir():
         path = path / "tokenizer.json"
     if not path.is_file():
         raise ZayaError(f"tokenizer {path} does not exist; pass 'bytes' or a path to a tokenizer.json")
-    return HFTokenizer(path, eos_id=eos_id, pad_id=pad_id)
+    return path
 
 
 def _read_hf_tokenizer(path: Path):

@@ -1,5 +1,6 @@
 """The trained model alone, written to `WORKDIR/model` at the end of a run (`zaya_jax.load` reads it,
-`zaya convert to-hf` exports it): every process writes its shards, process 0 alone moves directories."""
+`zaya convert to-hf` exports it): every process writes its shards, process 0 alone moves directories
+and leaves the run's tokenizer beside the model (`TOKENIZER_FILES`: `zaya generate` reads it)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import shutil
 
 import jax
 
+from zaya_jax.data.tokenizer import resolve_spec
 from zaya_jax.model import layer_stack
 from zaya_jax.train import barriers
 from zaya_jax.train.program import Program
@@ -30,10 +32,22 @@ def save_model(program: Program, state, path: str) -> None:
             yield layer_stack.layer_entries(arrays, i, kinds, row)
 
     tmp = path + ".saving"
+    tokenizer = program.exp.config.data.tokenizer
     timeout = program.exp.config.distributed.initialization_timeout_s
     _on_process_zero(lambda: shutil.rmtree(tmp, ignore_errors=True), "model_clear", timeout)
     orbax_store.save_groups(tmp, program.modeldef.cfg, groups())
-    _on_process_zero(lambda: (shutil.rmtree(path, ignore_errors=True), os.replace(tmp, path)), "model_done", timeout)
+    _on_process_zero(lambda: (write_tokenizer(tokenizer, tmp), shutil.rmtree(path, ignore_errors=True),
+                              os.replace(tmp, path)), "model_done", timeout)
+
+
+def write_tokenizer(spec: str, folder: str) -> None:
+    """The run's tokenizer beside its model: a copy of its tokenizer.json, or the word `bytes`."""
+    resolved = resolve_spec(spec)
+    if resolved == "bytes":
+        with open(os.path.join(folder, "tokenizer.txt"), "w") as f:
+            f.write("bytes\n")
+    else:
+        shutil.copyfile(resolved, os.path.join(folder, "tokenizer.json"))
 
 
 def _on_process_zero(action, name: str, timeout_s: int) -> None:
