@@ -10,7 +10,8 @@ so a crash, a hang or an out-of-memory in one never stops the others and each ha
 memory to itself:
 
 * `tests`: `python -m pytest -q tests/test_kernels_*.py` with JAX_PLATFORMS set to the GPU platform
-  (the kernel tests run compiled there): pass/fail counts and one line per failure.
+  (the kernel tests run compiled there; up to 8 pytest-xdist workers where it is installed):
+  pass/fail counts and one line per failure.
 * `bench`: `tools/bench_kernels.py --size zaya1` (`small` on CPU); its JSON rows.
 * `step`: the normal stack (`experiments/zaya1_base_phase1.py` + overrides → `build_program` →
   AOT-compiled `jitted_train_step`) at ZAYA1-base width (hidden 2048, 16 experts, 8 query : 2 KV
