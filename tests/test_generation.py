@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from zaya_jax import generate
+from zaya_jax import generate, generation
 from zaya_jax.config import preset
 from zaya_jax.errors import ZayaError
 from zaya_jax.model import cca, decode
@@ -53,6 +53,19 @@ def _pair(name):
     return cfg, hf, build_model(cfg, hf_to_ours(cfg, state.__getitem__))
 
 
+def _stepwise_logits(model, full, prompt_len: int):
+    """Logits of positions prompt_len-1 .. S-2 of `full` [1, S] through the cached step (the prompt
+    at once, then one token at a time), compiled as `generate` compiles it; and the last cache."""
+    graphdef, state = nnx.split(model)
+    cache = decode.empty_cache(model.cfg, jnp.zeros(1, jnp.int32), full.shape[1])
+    logits, cache = generation._step(graphdef, state, full[:, :prompt_len], cache)
+    got = [np.asarray(logits[0])]
+    for t in range(prompt_len, full.shape[1] - 1):
+        logits, cache = generation._step(graphdef, state, full[:, t:t + 1], cache)
+        got.append(np.asarray(logits[0]))
+    return np.stack(got), cache
+
+
 @pytest.fixture(scope="module", params=sorted(CONFIGS))
 def pair(request):
     return _pair(request.param)
@@ -77,13 +90,8 @@ def test_cached_logits_equal_the_uncached_forward(pair):
     tokens = generate(model, [prompt], max_new_tokens=12)[0]
     full = jnp.asarray([prompt + tokens])
     want = np.asarray(model(full))[0]
-    cache = decode.empty_cache(cfg, jnp.zeros(1, jnp.int32), full.shape[1])
-    logits, cache = decode.step(model, full[:, :len(prompt)], cache)
-    got = [np.asarray(logits[0])]
-    for t in range(len(prompt), full.shape[1] - 1):
-        logits, cache = decode.step(model, full[:, t:t + 1], cache)
-        got.append(np.asarray(logits[0]))
-    np.testing.assert_allclose(np.stack(got), want[len(prompt) - 1:-1], atol=2e-5 * np.abs(want).max())
+    got, _ = _stepwise_logits(model, full, len(prompt))
+    np.testing.assert_allclose(got, want[len(prompt) - 1:-1], atol=2e-5 * np.abs(want).max())
     assert len(prompt) < cca.look_back(cfg) < full.shape[1]  # the look-back fills from generated tokens
 
 
@@ -159,12 +167,7 @@ def test_a_hybrid_models_cached_logits_equal_its_uncached_forward(name):
     for prompt, tokens in zip(prompts, together):
         full = jnp.asarray([prompt + tokens])
         want = np.asarray(model(full))[0, len(prompt) - 1:-1]
-        cache = decode.empty_cache(cfg, jnp.zeros(1, jnp.int32), full.shape[1])
-        logits, cache = decode.step(model, full[:, :len(prompt)], cache)
-        got = [np.asarray(logits[0])]
-        for t in range(len(prompt), full.shape[1] - 1):
-            logits, cache = decode.step(model, full[:, t:t + 1], cache)
-            got.append(np.asarray(logits[0]))
-        np.testing.assert_allclose(np.stack(got), want, atol=2e-5 * np.abs(want).max())
+        got, cache = _stepwise_logits(model, full, len(prompt))
+        np.testing.assert_allclose(got, want, atol=2e-5 * np.abs(want).max())
         assert tokens == generate(model, [prompt], max_new_tokens=8)[0]
     assert cache.linear_state.shape[0] == cfg.layer_kinds.count("L") > 0
