@@ -66,9 +66,8 @@ def generate_command(args: argparse.Namespace, extra: list[str]) -> int:
     stream = _Stream(tokenizer, prompts[0]) if len(prompts) == 1 else None
     start = time.perf_counter()
     out = generate(model, prompts, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-                            top_k=args.top_k, top_p=args.top_p, seed=args.seed,
-                            stop=() if args.no_stop else (tokenizer.eos_id,),
-                            on_tokens=stream.on_tokens if stream else None)
+                   top_k=args.top_k, top_p=args.top_p, seed=args.seed, stop=() if args.no_stop else (tokenizer.eos_id,),
+                   on_tokens=stream.on_tokens if stream else None)
     seconds = time.perf_counter() - start
     if stream:
         stream.finish()
@@ -151,7 +150,11 @@ def _tokenizer(args):
         for name in ("tokenizer.json", "tokenizer.txt"):
             path = os.path.join(args.model, name)
             if os.path.isfile(path):
-                spec = path if name == "tokenizer.json" else open(path).read().strip()
+                if name == "tokenizer.json":
+                    spec = path
+                else:
+                    with open(path) as f:
+                        spec = f.read().strip()
                 break
         else:
             raise ZayaError(f"{args.model} holds no tokenizer (tokenizer.json or tokenizer.txt); pass --tokenizer "

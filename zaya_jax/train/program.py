@@ -20,7 +20,6 @@ knows it (`MeshSchedule.zigzagged`). The loss and metrics are sums over tokens: 
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
 import math
@@ -31,10 +30,9 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from zaya_jax import jax_compat
 from zaya_jax.errors import ZayaError
 from zaya_jax.experiment import Experiment, load_experiment
-from zaya_jax.kernels.gpu_lowering import lowering_device
+from zaya_jax.kernels.gpu_lowering import checked_lowering, lowering_device
 from zaya_jax.kernels.registry import GPU_TARGETS, KERNEL_FIELDS, device_target, resolve, targeting
 from zaya_jax.parallel.mesh import mesh_for
 from zaya_jax.parallel import zigzag
@@ -207,7 +205,7 @@ class Program:
     def lower_train_step(self, platform: str | None = None):
         """The train step lowered from abstract shapes for `platform` (default: the kernel target)."""
         platform = platform or self.target
-        with _checked_lowering(platform):
+        with checked_lowering(platform):
             return self._traced_train_step().lower(lowering_platforms=(platform,))
 
     def compile_train_step(self):
@@ -227,7 +225,7 @@ class Program:
         clock = [time.perf_counter()]
         traced = self._traced_train_step()
         clock.append(time.perf_counter())
-        with _checked_lowering(self.target):
+        with checked_lowering(self.target):
             lowered = traced.lower()
         clock.append(time.perf_counter())
         compiled = lowered.compile()
@@ -320,9 +318,3 @@ def program_for_target(config: str, overrides, target: str, devices=None) -> Pro
         exp = load_experiment(config, list(overrides))
     return build_program(exp, devices, target)
 
-
-def _checked_lowering(platform: str):
-    """For a GPU platform, Triton's verifier on every Pallas kernel as it is lowered: a kernel Triton
-    would reject is one line naming it here, not an IR dump from the GPU compiler (or, lowered on a
-    machine without the GPU, nothing at all)."""
-    return jax_compat.verifying_triton_modules() if platform in GPU_TARGETS else contextlib.nullcontext()
