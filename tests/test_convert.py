@@ -3,6 +3,7 @@
 import glob
 import json
 import os
+import shutil
 
 import jax.numpy as jnp
 import numpy as np
@@ -88,6 +89,29 @@ def test_bfloat16_export(converted, tmp_path):
         assert f.get_tensor("model.embed_tokens.weight").dtype == torch.bfloat16
         assert f.get_tensor("model.layers.0.mlp.gate.balancing_biases").dtype == torch.float32
     assert json.load(open(os.path.join(out, "config.json")))["dtype"] == "bfloat16"
+
+
+def test_the_tokenizer_travels_with_the_checkpoint_both_ways(hf_dir, tmp_path, capsys):
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import AutoTokenizer
+
+    src = tmp_path / "hf"
+    shutil.copytree(hf_dir[0], src)
+    words = Tokenizer(models.WordLevel({"<|endoftext|>": 0, "hello": 1, "world": 2, "[UNK]": 3}, unk_token="[UNK]"))
+    words.pre_tokenizer = pre_tokenizers.Whitespace()
+    words.save(str(src / "tokenizer.json"))
+    assert main(["convert", "from-hf", f"--hf={src}", f"--out={tmp_path}/ckpt", "--quiet"]) == 0
+    assert (tmp_path / "ckpt" / "tokenizer.json").read_bytes() == (src / "tokenizer.json").read_bytes()
+    assert main(["convert", "to-hf", f"--ckpt={tmp_path}/ckpt", f"--out={tmp_path}/out", "--quiet"]) == 0
+    exported = AutoTokenizer.from_pretrained(str(tmp_path / "out"))  # needs the tokenizer_config.json we write
+    assert exported("hello world")["input_ids"] == [1, 2] and exported.eos_token_id == 0
+
+    (tmp_path / "ckpt" / "tokenizer.json").unlink()
+    (tmp_path / "ckpt" / "tokenizer.txt").write_text("bytes\n")  # a run trained on bytes
+    capsys.readouterr()
+    assert main(["convert", "to-hf", f"--ckpt={tmp_path}/ckpt", f"--out={tmp_path}/out2", "--quiet"]) == 0
+    assert "bytes tokenizer, which has no Hugging Face form" in capsys.readouterr().err
+    assert not (tmp_path / "out2" / "tokenizer.json").exists()
 
 
 def test_load_reads_hf_directories_directly(hf_dir):

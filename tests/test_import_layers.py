@@ -17,7 +17,7 @@ LAYERS = (
     ("cluster",),
     ("train",),
     ("experiment",),
-    ("api", "checkpoint", "generation"),
+    ("api", "checkpoint", "generation", "harness"),
     ("parallel", "data"),
     ("model",),
     ("config", "cpu_host"),

@@ -25,12 +25,15 @@ from zaya_jax.model import decode
 
 def generate(model, prompts: Sequence[Sequence[int]], *, max_new_tokens: int, temperature: float = 0.0,
              top_k: int | None = None, top_p: float | None = None, stop: Iterable[int] = (), seed: int = 0,
-             on_tokens: Callable[[np.ndarray, np.ndarray], None] | None = None) -> list[list[int]]:
+             on_tokens: Callable[[np.ndarray, np.ndarray], None] | None = None,
+             stop_when: Callable[[int, list[int]], bool] | None = None) -> list[list[int]]:
     """The new tokens of each prompt (a list of token ids), up to `max_new_tokens`; a row ends after
     its first token in `stop` (which it keeps, as Hugging Face's `generate` does).
 
     `on_tokens(tokens, active)` is called after every step with the step's token per row and
-    which rows were still generating (for streaming).
+    which rows were still generating (for streaming). `stop_when(row, tokens)` is asked after every
+    step about each row still generating, with its new tokens so far; True ends the row (a stop
+    string, for example).
     """
     cfg = model.cfg
     rows = _check(cfg, prompts, max_new_tokens, temperature, top_k, top_p)
@@ -53,6 +56,9 @@ def generate(model, prompts: Sequence[Sequence[int]], *, max_new_tokens: int, te
         if on_tokens is not None:
             on_tokens(tokens, active.copy())
         active &= ~np.isin(tokens, list(stop))
+        if stop_when is not None:
+            for row in np.flatnonzero(active):
+                active[row] = not stop_when(int(row), out[row])
         if not active.any() or i == max_new_tokens - 1:
             break
         logits, cache = _step(graphdef, state, jnp.asarray(tokens[:, None]), cache)

@@ -143,20 +143,6 @@ def _read_prompts(path: str) -> list[str]:
 
 
 def _tokenizer(args):
-    from zaya_jax.data.tokenizer import load_tokenizer
+    from zaya_jax.data.tokenizer import model_tokenizer
 
-    spec = args.tokenizer
-    if spec is None:
-        for name in ("tokenizer.json", "tokenizer.txt"):
-            path = os.path.join(args.model, name)
-            if os.path.isfile(path):
-                if name == "tokenizer.json":
-                    spec = path
-                else:
-                    with open(path) as f:
-                        spec = f.read().strip()
-                break
-        else:
-            raise ZayaError(f"{args.model} holds no tokenizer (tokenizer.json or tokenizer.txt); pass --tokenizer "
-                            "bytes or a tokenizer.json")
-    return load_tokenizer(spec)
+    return model_tokenizer(args.model, args.tokenizer)

@@ -18,6 +18,7 @@ from tqdm import tqdm
 
 from zaya_jax.checkpoint import hf_mapping, orbax_store
 from zaya_jax.checkpoint import safetensors_io as st
+from zaya_jax.data import tokenizer
 from zaya_jax.config import ModelConfig, read_hf_config, write_hf_config
 from zaya_jax.errors import ZayaError
 from zaya_jax.model.state import expected_shapes
@@ -55,6 +56,7 @@ def from_hf(hf_dir: str, out: str, progress: bool = True) -> ModelConfig:
     reader = st.SafetensorsReader(hf_dir)
     check_hf_tensors(cfg, reader)
     orbax_store.save_groups(out, cfg, hf_groups(cfg, reader, progress))
+    tokenizer.copy_hf_files(hf_dir, out)
     return cfg
 
 
@@ -89,6 +91,7 @@ def to_hf(ckpt: str, out: str, dtype: str = "float32", max_shard_bytes: int = DE
     try:
         _write_shards(ckpt, cfg, shapes, specs, group_of, tmp, max_shard_bytes, progress)
         write_hf_config(cfg, tmp, dtype)
+        _carry_tokenizer(ckpt, tmp, cfg)
         if os.path.isdir(out):
             os.rmdir(out)
         os.replace(tmp, out)
@@ -96,6 +99,15 @@ def to_hf(ckpt: str, out: str, dtype: str = "float32", max_shard_bytes: int = DE
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return cfg
+
+
+def _carry_tokenizer(ckpt: str, out: str, cfg: ModelConfig) -> None:
+    """The checkpoint's tokenizer into the HF directory, with the tokenizer_config.json HF needs."""
+    if tokenizer.copy_hf_files(ckpt, out):
+        tokenizer.write_hf_config(out, cfg.max_position_embeddings)
+    elif os.path.isfile(os.path.join(ckpt, "tokenizer.txt")):
+        print(f"zaya convert: {ckpt} was trained with the bytes tokenizer, which has no Hugging Face form; "
+              f"{out} has no tokenizer", file=sys.stderr)
 
 
 def _export_dtype(name: str, dtype: str) -> np.dtype:

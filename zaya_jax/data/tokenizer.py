@@ -8,12 +8,14 @@ local Hugging Face `tokenizer.json`. Both offer `encode`, `encode_batch`, `decod
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import numpy as np
 
 from zaya_jax.errors import ZayaError, quoted
 
+HF_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 _EOS_NAMES = ("<|endoftext|>", "<|end_of_text|>", "</s>", "<eos>", "<|eos|>", "[SEP]")
 _PAD_NAMES = ("<pad>", "<|pad|>", "<|padding|>", "[PAD]")
 
@@ -60,6 +62,9 @@ class HFTokenizer:
     def decode(self, ids) -> str:
         return self._tok.decode([int(i) for i in ids], skip_special_tokens=True)
 
+    def token(self, token_id: int) -> str:
+        return self._tok.id_to_token(int(token_id))
+
     def _default_eos(self) -> int:
         eos = self._lookup((_config_eos(self.path),) + _EOS_NAMES)
         if eos is None:
@@ -88,6 +93,45 @@ def load_tokenizer(spec: str, eos_id: int | None = None, pad_id: int | None = No
             raise ZayaError("the bytes tokenizer has fixed ids (eos 2, pad 0); drop eos_id/pad_id")
         return ByteTokenizer()
     return HFTokenizer(resolved, eos_id=eos_id, pad_id=pad_id)
+
+
+def model_tokenizer(model_dir: str, spec: str | None = None):
+    """The tokenizer `spec` names, else the one a model directory holds: a training run leaves
+    `tokenizer.txt` (the word `bytes`) or `tokenizer.json` beside its model, and Hugging Face
+    directories hold `tokenizer.json`."""
+    if spec is None:
+        folder = Path(model_dir)
+        if (folder / "tokenizer.json").is_file():
+            spec = str(folder / "tokenizer.json")
+        elif (folder / "tokenizer.txt").is_file():
+            spec = (folder / "tokenizer.txt").read_text(encoding="utf-8").strip()
+        else:
+            raise ZayaError(f"{model_dir} holds no tokenizer (tokenizer.json or tokenizer.txt); pass --tokenizer "
+                            "bytes or a tokenizer.json (the one the model was trained with)")
+    return load_tokenizer(spec)
+
+
+def copy_hf_files(src_dir: str | Path, dst_dir: str | Path) -> bool:
+    """Copy a Hugging Face tokenizer's files (`HF_TOKENIZER_FILES` that exist) from one directory to
+    another; True when there was a tokenizer.json."""
+    src, dst = Path(src_dir), Path(dst_dir)
+    for name in HF_TOKENIZER_FILES:
+        if (src / name).is_file():
+            shutil.copyfile(src / name, dst / name)
+    return (src / "tokenizer.json").is_file()
+
+
+def write_hf_config(folder: str | Path, max_length: int) -> None:
+    """A minimal tokenizer_config.json beside a tokenizer.json that has none, so that Hugging Face's
+    `AutoTokenizer` (and lm-eval's `hf` model) load it with our end-of-text token."""
+    folder = Path(folder)
+    if (folder / "tokenizer_config.json").exists():
+        return
+    words = HFTokenizer(folder / "tokenizer.json")
+    eos = words.token(words.eos_id)
+    config = {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": eos, "pad_token": words.token(words.pad_id),
+              "model_max_length": max_length}
+    (folder / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
 
 
 def resolve_spec(spec: str) -> str | Path:

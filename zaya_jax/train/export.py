@@ -9,7 +9,7 @@ import shutil
 
 import jax
 
-from zaya_jax.data.tokenizer import resolve_spec
+from zaya_jax.data.tokenizer import copy_hf_files, resolve_spec
 from zaya_jax.model import layer_stack
 from zaya_jax.train import barriers
 from zaya_jax.train.program import Program
@@ -41,12 +41,14 @@ def save_model(program: Program, state, path: str) -> None:
 
 
 def write_tokenizer(spec: str, folder: str) -> None:
-    """The run's tokenizer beside its model: a copy of its tokenizer.json, or the word `bytes`."""
+    """The run's tokenizer beside its model: a copy of its tokenizer.json (and the tokenizer_config.json
+    beside it, which may name its end-of-text token), or the word `bytes`."""
     resolved = resolve_spec(spec)
     if resolved == "bytes":
         with open(os.path.join(folder, "tokenizer.txt"), "w") as f:
             f.write("bytes\n")
     else:
+        copy_hf_files(resolved.parent, folder)
         shutil.copyfile(resolved, os.path.join(folder, "tokenizer.json"))
 
 
