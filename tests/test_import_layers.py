@@ -12,7 +12,7 @@ ROOT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
 # Top to bottom; the units of one layer may import each other.
 LAYERS = (
     ("__main__", "cli"),
-    ("bench", "generation_command"),
+    ("bench", "generation_command", "eval_command"),
     ("explore",),
     ("cluster",),
     ("train",),

@@ -154,3 +154,33 @@ def test_bad_model_arguments_are_one_line_errors(models):
             continue
         with pytest.raises(ZayaError, match=message.replace("(", r"\(").replace(")", r"\)")):
             ZayaLM(**kwargs)
+
+
+def test_zaya_eval_prints_lm_evals_table_and_writes_its_results(models, results, tmp_path, capsys):
+    from zaya_jax.cli import main
+
+    ckpt, _, tasks = models
+    out = tmp_path / "scores.json"
+    code = main(["eval", f"--model={ckpt}", f"--tasks={tasks}/zaya_mc.yaml", f"--tasks={tasks}/zaya_gen.yaml",
+                 f"--max-length={MAX_LENGTH}", f"--output={out}", "--log-samples"])
+    table = capsys.readouterr().out
+    assert code == 0
+    assert "|zaya_mc" in table and "|acc" in table and "|zaya_gen" in table and "|exact_match" in table
+    written = json.loads(out.read_text())
+    assert written["results"]["zaya_mc"]["acc,none"] == results[0]["results"]["zaya_mc"]["acc,none"]
+    assert len(written["samples"]["zaya_mc"]) == len(QUESTIONS)
+
+
+def test_zaya_eval_refuses_bad_input_in_one_line_before_loading(models, tmp_path):
+    from zaya_process import zaya
+
+    ckpt, _, tasks = models
+    cases = [([f"--model={tmp_path}/none", f"--tasks={tasks}/zaya_mc.yaml"], "does not exist or is not a directory"),
+             ([f"--model={ckpt}", "--tasks=no_such_task_anywhere"], "unknown lm-eval task(s): no_such_task_anywhere"),
+             ([f"--model={ckpt}", f"--tasks={tmp_path}/missing.yaml"], "missing.yaml does not exist"),
+             ([f"--model={ckpt}", f"--tasks={tasks}/zaya_mc.yaml", "--log-samples"], "pass --output too"),
+             ([f"--model={ckpt}", f"--tasks={tasks}/zaya_mc.yaml", "--batch-size=0"], "--batch-size must be at least 1")]
+    for args, message in cases:
+        proc = zaya("eval", *args)
+        lines = proc.stderr.strip().splitlines()
+        assert proc.returncode == 2 and len(lines) == 1 and message in lines[0], (args, proc.stderr)

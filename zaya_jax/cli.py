@@ -66,6 +66,9 @@ def build_parser() -> argparse.ArgumentParser:
     from zaya_jax.generation_command import add_parser as add_generate
 
     add_generate(jobs)
+    from zaya_jax.eval_command import add_parser as add_eval
+
+    add_eval(jobs)
     report = jobs.add_parser("report", help="a run's goodput: productive step time, time lost per cause, incidents",
                              description="Read WORKDIR/events.jsonl (every attempt of a run) and print its goodput.")
     report.add_argument("workdir", metavar="WORKDIR", help="the --workdir of a zaya train run")
@@ -189,6 +192,12 @@ def _generate(args: argparse.Namespace, extra: list[str]) -> int:
     return generate_command(args, extra)
 
 
+def _eval(args: argparse.Namespace, extra: list[str]) -> int:
+    from zaya_jax.eval_command import eval_command
+
+    return eval_command(args, extra)
+
+
 def _convert(args: argparse.Namespace, extra: list[str]) -> int:
     if extra:
         raise ZayaError(f"unrecognized arguments: {' '.join(extra)}")
@@ -205,7 +214,8 @@ def _convert(args: argparse.Namespace, extra: list[str]) -> int:
 
 # Each subcommand of build_parser(): (parsed args, arguments it did not know) -> exit status.
 COMMANDS = {"train": _train, "report": _report, "launch": _launch, "mesh": _mesh, "bench": _bench,
-            "template": _template, "convert": _convert, "generate": _generate}
+            "template": _template, "convert": _convert, "generate": _generate,
+            "eval": _eval}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -41,17 +41,18 @@ class ZayaLM(TemplateLM):
     """`model=DIR` (a zaya-jax checkpoint, a run's WORKDIR/model or an HF directory; `pretrained`
     is accepted as its alias), `tokenizer` (default: the model directory's), `batch_size` (rows per
     compiled forward, split over the local devices), `max_length` (default: the model's
-    `max_position_embeddings`), `max_gen_toks` (256), `dtype` (float32), `prefix_token_id`."""
+    `max_position_embeddings`), `max_gen_toks` (256), `dtype` (float32), `prefix_token_id`, `seed`
+    (of sampled generation, where a task samples and names no seed). `batch_size=auto` is 8."""
 
     def __init__(self, model: str | None = None, pretrained: str | None = None, tokenizer: str | None = None,
                  batch_size: int | str = 8, max_length: int | None = None, max_gen_toks: int = 256,
                  dtype: str = "float32", prefix_token_id: int | None = None, device: str | None = None,
-                 max_batch_size: int | None = None, **unknown):
+                 max_batch_size: int | None = None, seed: int = 0, **unknown):
         super().__init__()
         del device, max_batch_size  # lm-eval's own flags: JAX places work on its local devices
         if unknown:
             raise ZayaError(f"unknown model argument(s) for zaya: {', '.join(sorted(unknown))}; the zaya model takes "
-                            "model, tokenizer, batch_size, max_length, max_gen_toks, dtype, prefix_token_id")
+                            "model, tokenizer, batch_size, max_length, max_gen_toks, dtype, prefix_token_id, seed")
         path = model or pretrained
         if not path:
             raise ZayaError("the zaya model needs model=DIR (a zaya-jax checkpoint, a run's WORKDIR/model or an HF directory)")
@@ -62,25 +63,26 @@ class ZayaLM(TemplateLM):
         loaded = load(str(path), compute_dtype=dtype)
         self.setup(words, model_scorer(loaded, batch_size=_batch_size(batch_size), max_length=_count("max_length", max_length)),
                    _bound_generate(loaded), max_gen_toks=max_gen_toks, prefix_token_id=prefix_token_id,
-                   vocab_size=loaded.cfg.vocab_size)
+                   vocab_size=loaded.cfg.vocab_size, seed=seed)
 
     @classmethod
     def from_parts(cls, tokenizer, scorer: Scorer, generator: Generator, *, vocab_size: int,
-                   max_gen_toks: int = 256, prefix_token_id: int | None = None) -> "ZayaLM":
+                   max_gen_toks: int = 256, prefix_token_id: int | None = None, seed: int = 0) -> "ZayaLM":
         """A `zaya` model on a scorer and a generator already built (the trainer's live state)."""
         lm = cls.__new__(cls)
         TemplateLM.__init__(lm)
         lm.setup(tokenizer, scorer, generator, max_gen_toks=max_gen_toks, prefix_token_id=prefix_token_id,
-                 vocab_size=vocab_size)
+                 vocab_size=vocab_size, seed=seed)
         return lm
 
-    def setup(self, tokenizer, scorer: Scorer, generator: Generator, *, max_gen_toks, prefix_token_id, vocab_size):
+    def setup(self, tokenizer, scorer: Scorer, generator: Generator, *, max_gen_toks, prefix_token_id, vocab_size, seed):
         if tokenizer.vocab_size > vocab_size:
             raise ZayaError(f"the tokenizer has {tokenizer.vocab_size} ids but the model's vocabulary is {vocab_size}: "
                             "pass the tokenizer the model was trained with (tokenizer=...)")
         self.words, self.scorer, self.generator = tokenizer, scorer, generator
         self.max_gen_toks = _count("max_gen_toks", max_gen_toks)
         self._prefix = None if prefix_token_id is None else int(prefix_token_id)
+        self.seed = int(seed)
 
     # ---- lm-eval's interface ------------------------------------------------------------------
     @property
@@ -153,7 +155,7 @@ class ZayaLM(TemplateLM):
         if steps >= self.max_length:
             raise ZayaError(f"generating {steps} new tokens needs a max_length above {steps} (it is {self.max_length}); "
                             "raise max_length or lower max_gen_toks")
-        sampling = _sampling(kwargs)
+        sampling = _sampling(kwargs, self.seed)
         keep = self.max_length - steps
         prompts = [(self.tok_encode(c) or [self.prefix_token_id])[-keep:] for c in contexts]
         order = sorted(range(len(prompts)), key=lambda n: -len(prompts[n]))
@@ -169,11 +171,11 @@ class ZayaLM(TemplateLM):
         return texts
 
 
-def _sampling(kwargs: dict) -> dict:
+def _sampling(kwargs: dict, seed: int) -> dict:
     temperature = float(kwargs.get("temperature", 0.0)) if kwargs.get("do_sample") else 0.0
     if temperature == 0:
         return {}
-    picked = {"temperature": temperature, "seed": int(kwargs.get("seed", 0))}
+    picked = {"temperature": temperature, "seed": int(kwargs.get("seed", seed))}
     if kwargs.get("top_k") is not None:
         picked["top_k"] = int(kwargs["top_k"])
     if kwargs.get("top_p") is not None and float(kwargs["top_p"]) < 1:
