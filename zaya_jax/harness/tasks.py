@@ -3,7 +3,8 @@
 A task is a name lm-eval knows (`hellaswag`, a glob like `arc_*`, a group) or a task YAML file;
 `include_paths` are folders of further task YAMLs (lm-eval's `--include_path`). Every name must
 match a task and every file must exist: a typo is one line naming it, not a failure after the
-model has loaded.
+model has loaded. A task file's relative `data_files` are read beside it, so a task folder with
+its JSONL works from any directory.
 """
 
 from __future__ import annotations
@@ -53,4 +54,19 @@ def _read_task(load_yaml, path: str) -> dict:
                         "fix the YAML") from None
     if not isinstance(config, dict) or "task" not in config:
         raise ZayaError(f"task file {path} names no task (a `task:` key); write an lm-eval task YAML")
+    files = (config.get("dataset_kwargs") or {}).get("data_files")
+    if files is not None:
+        config["dataset_kwargs"]["data_files"] = _beside(files, os.path.dirname(os.path.abspath(path)))
     return config
+
+
+def _beside(files, folder: str):
+    """Relative data files of a task YAML, as paths beside the YAML where such a file exists
+    (lm-eval would look in the working directory)."""
+    if isinstance(files, dict):
+        return {split: _beside(f, folder) for split, f in files.items()}
+    if isinstance(files, list):
+        return [_beside(f, folder) for f in files]
+    if isinstance(files, str) and not os.path.isabs(files) and os.path.exists(os.path.join(folder, files)):
+        return os.path.join(folder, files)
+    return files
