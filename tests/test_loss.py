@@ -217,3 +217,33 @@ def test_a_tensor_split_step_computes_each_ranks_vocabulary_slice_only():
     widths = {int(dims.split(",")[-1]) for dims in re.findall(r"f32\[(1,32,\d+)\]", hlo)}
     assert vocab // 2 in widths and vocab not in widths, sorted(widths)
     assert not re.search(rf"f32\[{vocab},{hidden}\]\S* all-gather\(", hlo)
+
+
+@pytest.mark.parametrize("layout", [None, dict(tensor=8), dict(tensor=2, data=4)], ids=str)
+def test_token_scores_are_the_full_logits_log_probabilities_and_argmax(layout):
+    """`token_scores` (downstream evaluation's): log p(target) and whether the target is the argmax,
+    against full logits; one device, and vocabulary-parallel with the table split over `tensor`."""
+    from meshes import fake_mesh
+    from zaya_jax.parallel.rules import named_sharding
+    from zaya_jax.train.loss import token_scores
+
+    batch, length, vocab, width, chunk = 4, 8, 48, 16, 5
+    hidden, embedding, targets, _ = inputs(batch * length, vocab, width, seed=4)
+    hidden, targets = hidden.reshape(batch, length, width), targets.reshape(batch, length)
+    logits = np.einsum("bsh,vh->bsv", np.asarray(hidden, np.float64), np.asarray(embedding, np.float64))
+    targets = targets.at[:, ::2].set(jnp.asarray(logits.argmax(-1)[:, ::2]))  # half the targets are the argmax
+    logp = logits - np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1, keepdims=True)) - logits.max(-1, keepdims=True)
+    want = np.take_along_axis(logp, np.asarray(targets)[..., None], -1)[..., 0]
+    if layout is None:
+        got, greedy = token_scores(hidden, embedding, targets, chunk_size=chunk)
+    else:
+        mesh = fake_mesh(**layout)
+        rows = named_sharding(("batch", "length"), mesh)
+        placed = (jax.device_put(hidden, NamedSharding(mesh, P(*rows.spec, None))),
+                  jax.device_put(embedding, named_sharding(("vocab", "embed"), mesh, embedding.shape)),
+                  jax.device_put(targets, rows))
+        with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
+            got, greedy = jax.jit(lambda h, e, t: token_scores(h, e, t, chunk_size=chunk))(*placed)
+    np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-5)
+    np.testing.assert_array_equal(np.asarray(greedy), logits.argmax(-1) == np.asarray(targets))
+    assert np.asarray(greedy).mean() >= 0.5

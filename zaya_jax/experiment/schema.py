@@ -53,7 +53,12 @@ def _eval() -> dict:
     return dict(
         every_steps=0,  # held-out loss every N steps (0 = only at the end)
         batches=4,  # held-out batches per evaluation
-        batch_size=0,  # sequences per held-out batch (0 = the training micro-batch)
+        batch_size=0,  # sequences per held-out batch (0 = the training micro-batch); also the rows of a task batch
+        # Downstream, at the same steps (train/downstream.py; needs the eval extra for tasks):
+        tasks="",  # lm-eval tasks, comma-separated: names (hellaswag) or task YAML files ("" = none)
+        task_limit=0,  # at most this many examples per task (0 = all)
+        prompts=[],  # texts to continue greedily: WORKDIR/samples.jsonl and TensorBoard's text tab
+        prompt_tokens=64,  # new tokens per prompt
     )
 
 

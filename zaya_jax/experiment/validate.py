@@ -109,7 +109,15 @@ def _hardware(name: str) -> str | None:
 
 
 def _eval(c, model) -> str | None:
-    return _first(*(_at_least(c, f"eval.{k}", 0) for k in ("every_steps", "batches", "batch_size")))
+    e = c.eval
+    prompts = list(e.prompts)
+    return _first(
+        *(_at_least(c, f"eval.{k}", 0) for k in ("every_steps", "batches", "batch_size", "task_limit")),
+        _at_least(c, "eval.prompt_tokens", 1),
+        None if all(isinstance(p, str) and p for p in prompts) else
+        f"eval.prompts must be a list of non-empty texts, got {prompts!r}",
+        None if not prompts or e.prompt_tokens < c.train.seq_len else
+        f"eval.prompt_tokens ({e.prompt_tokens}) must be below train.seq_len ({c.train.seq_len})")
 
 
 def _checkpoint(c, model) -> str | None:

@@ -7,7 +7,8 @@ produced it. Rows are sorted longest first, right-padded to a length bucket (a p
 task compiles a handful of programs, not one per length) and batched; the reduction to two numbers
 per row happens on the devices, so no [rows, length, vocab] logits cross to the host.
 
-`model_scorer` runs a loaded model data-parallel over the local devices: the weights replicated,
+With `fixed_width` every batch is `max_length` wide instead (the trainer's program, compiled for
+its sequence length). `model_scorer` runs a loaded model data-parallel over the local devices: the weights replicated,
 each device scoring its share of the rows (`jax.shard_map`).
 """
 
@@ -34,10 +35,11 @@ class Scorer:
     """Scores requests in batches of `batch_size` rows through `row_scores(ids, targets, weights)`,
     which returns each row's Σ weights·log p(target) and whether every weighted target is the argmax."""
 
-    def __init__(self, row_scores: RowScores, *, batch_size: int, max_length: int):
+    def __init__(self, row_scores: RowScores, *, batch_size: int, max_length: int, fixed_width: bool = False):
         if batch_size < 1 or max_length < 2:
             raise ZayaError(f"batch size ({batch_size}) and max length ({max_length}) must be ≥ 1 and ≥ 2")
         self.row_scores, self.batch_size, self.max_length = row_scores, batch_size, max_length
+        self.fixed_width = fixed_width  # every batch max_length wide (a program compiled for one shape)
 
     def score(self, requests: Sequence[Request], on_batch: Callable[[int], None] | None = None) -> list[tuple[float, bool]]:
         rows = [self._row(context, continuation) for context, continuation in requests]
@@ -63,7 +65,8 @@ class Scorer:
         return whole, len(continuation)
 
     def _batch(self, rows: list[tuple[list[int], int]]):
-        width = length_bucket(max(len(whole) - 1 for whole, _ in rows), self.max_length)
+        longest = max(len(whole) - 1 for whole, _ in rows)
+        width = self.max_length if self.fixed_width else length_bucket(longest, self.max_length)
         ids = np.zeros((self.batch_size, width), np.int32)
         targets = np.zeros_like(ids)
         weights = np.zeros(ids.shape, np.float32)

@@ -37,6 +37,7 @@ from zaya_jax.kernels import xla_flags
 from zaya_jax.parallel.topology import Topology
 from zaya_jax.train import barriers, compile_cache
 from zaya_jax.train.checkpoints import RunCheckpoints
+from zaya_jax.train.downstream import Downstream, check_tasks
 from zaya_jax.train.evaluation import eval_batch_size
 from zaya_jax.train.events import Attempt, EventLog, read_events
 from zaya_jax.train.goodput import Ledger
@@ -85,6 +86,7 @@ def train(exp: Experiment, workdir: str, devices=None, out=sys.stdout, topology:
     primary = jax.process_index() == 0
     if not primary:
         out = open(os.devnull, "w")  # noqa: SIM115 — process 0 speaks; errors still reach stderr
+    tasks = _downstream_tasks(exp)  # a bad task name is refused before the workdir is touched
     workdir = prepare_workdir(workdir)
     events, ledger = _event_log(workdir, attempt, primary)
     c = exp.config
@@ -96,13 +98,21 @@ def train(exp: Experiment, workdir: str, devices=None, out=sys.stdout, topology:
     barriers.use_coordination_barriers()  # before Orbax's first barrier
     checkpoints = RunCheckpoints(os.path.join(workdir, "checkpoints"), c.checkpoint.keep, c.checkpoint.async_save)
     session = Session(exp, program, data, iterator, checkpoints, workdir, eval_size, out, topology, events, ledger,
-                      attempt)
+                      attempt, Downstream(program, tasks, data.tokenizer, workdir, primary))
     try:
         with Watchdog(c.fault.hang_timeout_sec, _hang_writer(workdir), jax.process_index()) as session.watchdog:
             return session.execute()
     finally:
         checkpoints.close()  # never leave a background save behind
         iterator.close()
+
+
+def _downstream_tasks(exp: Experiment):
+    e = exp.config.eval
+    if (e.tasks.strip() or e.prompts) and jax.process_count() > 1:
+        raise ZayaError("eval.tasks and eval.prompts run in single-process runs for now; evaluate a multi-process "
+                        "run's WORKDIR/model with `zaya eval` and `zaya generate`, or set eval.tasks='' eval.prompts=[]")
+    return check_tasks(exp.config)
 
 
 def _event_log(workdir: str, attempt: Attempt, primary: bool) -> tuple[EventLog, Ledger | None]:

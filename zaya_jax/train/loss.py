@@ -58,6 +58,26 @@ def _vocab_parallel_ce(chunk, dtype, hidden, embedding, targets):
     return _vocab_parallel_fwd(chunk, dtype, hidden, embedding, targets)[0]
 
 
+def token_scores(hidden: jax.Array, embedding: jax.Array, targets: jax.Array, *, chunk_size: int = 16384,
+                 matmul_dtype=jnp.float32) -> tuple[jax.Array, jax.Array]:
+    """Per token: log p(target) fp32[...] and whether the target's logit is the largest (greedy
+    decoding's pick), from the loss's own chunked pass (vocabulary-parallel as `token_loss` is);
+    for evaluation, no gradient. hidden [B, S, H], targets [B, S]."""
+    mesh = jax.sharding.get_abstract_mesh()
+    split = not mesh.empty and VOCAB_AXIS in entry_axes(partition_spec(("vocab", "embed"), mesh, embedding.shape)[0])
+    targets = targets.astype(jnp.int32)
+    if not split or axis_size(VOCAB_AXIS) == 1:
+        chunk = min(int(chunk_size), embedding.shape[0])
+        loss, _, gap = _forward(chunk, jnp.dtype(matmul_dtype), None, hidden, embedding, targets, with_max=True)
+    else:
+        chunk = min(int(chunk_size), embedding.shape[0] // axis_size(VOCAB_AXIS))
+        rows = row_spec()
+        forward = functools.partial(_forward, chunk, jnp.dtype(matmul_dtype), VOCAB_AXIS, with_max=True)
+        loss, _, gap = schedule_map(forward, in_specs=(P(*rows, None), P(VOCAB_AXIS, None), rows),
+                                      out_specs=(rows, rows, rows), check_vma=False)(hidden, embedding, targets)
+    return -loss, gap <= 0
+
+
 def _vocab_parallel_fwd(chunk, dtype, hidden, embedding, targets):
     rows = row_spec()
     forward = functools.partial(_forward, chunk, dtype, VOCAB_AXIS)
@@ -134,9 +154,9 @@ def _chunked_ce(chunk: int, dtype, axis, hidden: jax.Array, embedding: jax.Array
 
 
 @jax.named_scope("loss")  # inside: a custom_vjp's rules do not see their caller's scope
-def _forward(chunk, dtype, axis, hidden, embedding, targets):
-    """Returns (loss, lse): one pass over the chunks with an online logsumexp, then (vocabulary-
-    parallel) the ranks' statistics combined."""
+def _forward(chunk, dtype, axis, hidden, embedding, targets, with_max: bool = False):
+    """Returns (loss, lse), and `with_max` the largest logit's lead over the target's: one pass over the chunks with an
+    online logsumexp, then (vocabulary-parallel) the ranks' statistics combined."""
     vocab = embedding.shape[0]
     first = _first_row(embedding, axis)
     h = hidden.astype(dtype)
@@ -169,7 +189,8 @@ def _forward(chunk, dtype, axis, hidden, embedding, targets):
         run_sum = jax.lax.psum(run_sum * jnp.exp(run_max - shared), axis)
         run_max, target_logit = shared, jax.lax.psum(target_logit, axis)
     lse = run_max + jnp.log(run_sum)
-    return lse - target_logit, lse
+    # The gap to the largest logit is exactly 0 where the target is it (both are the same logit).
+    return (lse - target_logit, lse, run_max - target_logit) if with_max else (lse - target_logit, lse)
 
 
 def _fwd(chunk, dtype, axis, hidden, embedding, targets):

@@ -94,6 +94,12 @@ class MetricsWriter:
             self._tb.add_scalar(tag, value, step)
         self._tb.flush()
 
+    def write_text(self, step: int, tag: str, text: str) -> None:
+        """A text entry in TensorBoard's text tab (generated samples)."""
+        if self.enabled and self._tb is not None:
+            self._tb.add_text(tag, text, _as_step(step))
+            self._tb.flush()
+
     def close(self) -> None:
         """Flush and close both sinks; safe to call twice."""
         if self._jsonl is not None:

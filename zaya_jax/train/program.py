@@ -46,7 +46,7 @@ from zaya_jax.train.flat_model import ModelDef, init_arrays, model_def
 from zaya_jax.train.loss import token_loss
 from zaya_jax.train.optim import build_optimizer
 from zaya_jax.train.step import (BATCH_KEYS, StepConfig, TrainState, init_state, make_eval_step,
-                                 make_train_step)
+                                 make_score_step, make_train_step)
 
 
 @dataclasses.dataclass
@@ -239,6 +239,12 @@ class Program:
         biases_sh = self.state_shardings.biases
         return jax.jit(step, in_shardings=(params_sh, biases_sh, self.batch_sharding(accumulated=False)),
                        out_shardings=self.replicated())
+
+    def jitted_score_step(self):
+        """Per-row log-likelihoods and greedy flags of a [size, S] batch (`step.make_score_step`)."""
+        step = self._under_mesh(make_score_step(self.modeldef, self.step_cfg))
+        return jax.jit(step, in_shardings=(self.state_shardings.params, self.state_shardings.biases,
+                                           self.batch_sharding(accumulated=False)), out_shardings=self.replicated())
 
     def local_rows(self, rows: int) -> list[int]:
         """The rows of a [rows, seq_len] batch (one micro-batch) held by this process's devices.

@@ -35,10 +35,11 @@ class Session:
     """One attempt of a run: resume or init, compile, the steps, saves, and how it ends."""
 
     def __init__(self, exp, program, data, iterator, checkpoints, workdir, eval_batch_size, out, topology, events,
-                 ledger, attempt):
+                 ledger, attempt, downstream):
         self.exp, self.program, self.data, self.iterator = exp, program, data, iterator
         self.checkpoints, self.workdir, self.eval_batch_size, self.out = checkpoints, workdir, eval_batch_size, out
         self.topology, self.events, self.ledger, self.attempt = topology, events, ledger, attempt
+        self.downstream = downstream
         self.c = exp.config
         self.primary = jax.process_index() == 0
         self.watchdog: Watchdog | None = None
@@ -158,15 +159,17 @@ class Session:
         c = self.c
         if not ((c.eval.every_steps and done % c.eval.every_steps == 0) or done == c.train.steps):
             return
-        if not self.eval_batches:
+        if not (self.eval_batches or self.downstream.active):
             return
         self.span.close_at_sync(done, metrics)
         with self.events.span("eval", step=done):
-            result = evaluate(self.program, self.eval_step, state, self.eval_batches, self.eval_batch_size)
+            if self.eval_batches:
+                result = evaluate(self.program, self.eval_step, state, self.eval_batches, self.eval_batch_size)
+                writer.write(done, result)
+                bar.note(f"step {done}: held-out loss {result['eval_loss']:.4f}")
+                self.summary["eval_loss"] = result["eval_loss"]
+            self.downstream.run(state, done, writer, bar.note, self.events)
         self.span.restart_clock()
-        writer.write(done, result)
-        bar.note(f"step {done}: held-out loss {result['eval_loss']:.4f}")
-        self.summary["eval_loss"] = result["eval_loss"]
 
     def _save(self, writer, state, metrics, done: int, stopping: bool) -> None:
         every = self.c.checkpoint.every_steps

@@ -1,4 +1,4 @@
-"""The train step and the eval step: pure functions of (state, batch), jitted over the run's mesh.
+"""The train step, the eval step and the score step: pure functions of (state, batch), jitted over the run's mesh.
 
 One train step = gradient accumulation over the global batch's micro-batches (a `lax.scan`,
 summing token-weighted losses so the result equals one big batch; the program's `reduction`
@@ -21,7 +21,7 @@ import optax
 
 from zaya_jax.model.schedule import LOCAL, Schedule
 from zaya_jax.train import balancing, step_guard
-from zaya_jax.train.loss import chunked_cross_entropy
+from zaya_jax.train.loss import chunked_cross_entropy, token_scores
 from zaya_jax.train.flat_model import ModelDef
 
 BATCH_KEYS = ("inputs", "targets", "segment_ids", "positions", "loss_mask")
@@ -140,6 +140,23 @@ def make_eval_step(modeldef: ModelDef, cfg: StepConfig):
         return loss, ntok
 
     return eval_step
+
+
+def make_score_step(modeldef: ModelDef, cfg: StepConfig):
+    """`score_step(params, biases, batch) -> (log_likelihood [b], greedy [b])` for one [b, S] batch:
+    per row, Σ loss_mask · log p(target), and whether every masked-in target is the model's argmax
+    (downstream evaluation, `harness/scoring.py`)."""
+
+    def score_step(params, biases, batch):
+        model = modeldef.merge(params, biases)
+        hidden, _ = model.hidden_states(batch["inputs"], batch["segment_ids"], batch["positions"],
+                                        schedule=cfg.schedule, scan=cfg.scan_layers, unroll=cfg.scan_unroll)
+        logp, top = token_scores(hidden, params["embedding"], batch["targets"], chunk_size=cfg.vocab_chunk,
+                                 matmul_dtype=modeldef.cfg.compute_dtype)
+        mask = batch["loss_mask"].astype(jnp.float32)
+        return jnp.sum(logp * mask, axis=-1), jnp.all(top | (mask == 0), axis=-1)
+
+    return score_step
 
 
 def init_state(params, biases: dict, bias_key: str, tx, balancer: balancing.Balancer,
