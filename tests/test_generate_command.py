@@ -54,10 +54,10 @@ def test_several_prompts_print_one_json_line_each(model_dir, tmp_path, capsys):
 @pytest.mark.parametrize("args, words", [
     (["--prompt="], "prompt 1 is empty (it encodes to no tokens)"),
     ([], "no prompt: pass --prompt TEXT or --prompts FILE.jsonl"),
-    (["--prompt=x", "--max-new-tokens=0"], "--max-new-tokens must be at least 1"),
+    (["--prompt=x", "--max-new-tokens=0"], "--max-new-tokens must be a positive integer"),
     (["--prompt=x", "--temperature=nan"], "--temperature must be a finite number"),
     (["--prompt=x", "--temperature=1", "--top-p=0"], "--top-p must be in (0, 1]"),
-    (["--prompt=x", "--top-k=3"], "add --temperature > 0"),
+    (["--prompt=x", "--top-k=3"], "set --temperature > 0"),
     (["--prompt=x", "--prompts=/no/such.jsonl"], "cannot read --prompts /no/such.jsonl"),
     (["--prompt=x", "--tokenizer=/no/tokenizer.json"], "tokenizer /no/tokenizer.json does not exist"),
     (["--prompt=x", "--bogus"], "unrecognized arguments: --bogus"),

@@ -141,7 +141,7 @@ def test_the_decode_step_compiles_once_for_every_token(compiles):
     (dict(temperature=float("nan")), "temperature must be a finite number"),
     (dict(temperature=1.0, top_k=0), "top_k must be an integer in 1..256"),
     (dict(temperature=1.0, top_p=1.5), "top_p must be in (0, 1]"),
-    (dict(top_k=5), "set a temperature > 0"),
+    (dict(top_k=5), "set temperature > 0"),
 ])
 def test_bad_arguments_are_one_line_errors(kwargs, words):
     model = _random(preset("tiny", **CONFIGS["g4"]), 0)

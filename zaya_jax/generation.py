@@ -96,14 +96,24 @@ def _check(cfg, prompts, max_new_tokens, temperature, top_k, top_p) -> list[list
     bad = [t for r in rows for t in r if not 0 <= t < cfg.vocab_size]
     if bad:
         raise ZayaError(f"token id {bad[0]} is outside the model's vocabulary of {cfg.vocab_size}")
-    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
-        raise ZayaError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
-    if not (isinstance(temperature, (int, float)) and math.isfinite(temperature) and temperature >= 0):
-        raise ZayaError(f"temperature must be a finite number ≥ 0 (0 = greedy), got {temperature!r}")
-    if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int) or not 1 <= top_k <= cfg.vocab_size):
-        raise ZayaError(f"top_k must be an integer in 1..{cfg.vocab_size}, got {top_k!r}")
-    if top_p is not None and not (isinstance(top_p, (int, float)) and 0 < top_p <= 1):
-        raise ZayaError(f"top_p must be in (0, 1], got {top_p!r}")
-    if (top_k is not None or top_p is not None) and temperature == 0:
-        raise ZayaError("top_k and top_p choose among sampled tokens; set a temperature > 0 (0 is greedy)")
+    check_sampling(max_new_tokens, temperature, top_k, top_p, cfg.vocab_size)
     return rows
+
+
+def check_sampling(max_new_tokens, temperature, top_k, top_p, vocab_size: int | None = None, flags: bool = False) -> None:
+    """The generation settings' ranges; `flags` names them as `zaya generate`'s flags (--top-k)."""
+    def name(arg: str) -> str:
+        return "--" + arg.replace("_", "-") if flags else arg
+
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+        raise ZayaError(f"{name('max_new_tokens')} must be a positive integer, got {max_new_tokens!r}")
+    if not (isinstance(temperature, (int, float)) and math.isfinite(temperature) and temperature >= 0):
+        raise ZayaError(f"{name('temperature')} must be a finite number ≥ 0 (0 = greedy), got {temperature!r}")
+    top = vocab_size or math.inf
+    if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int) or not 1 <= top_k <= top):
+        raise ZayaError(f"{name('top_k')} must be an integer in 1..{vocab_size or 'the vocabulary size'}, got {top_k!r}")
+    if top_p is not None and not (isinstance(top_p, (int, float)) and 0 < top_p <= 1):
+        raise ZayaError(f"{name('top_p')} must be in (0, 1], got {top_p!r}")
+    if (top_k is not None or top_p is not None) and temperature == 0:
+        raise ZayaError(f"{name('top_k')} and {name('top_p')} choose among sampled tokens; set "
+                        f"{name('temperature')} > 0 (0 is greedy)")

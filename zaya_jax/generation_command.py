@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import sys
 import time
@@ -57,12 +56,11 @@ def generate_command(args: argparse.Namespace, extra: list[str]) -> int:
         raise ZayaError(f"prompt {empty[0] + 1} is empty (it encodes to no tokens); give it some text")
 
     from zaya_jax.api import load
+    from zaya_jax.data.tokenizer import check_fits
     from zaya_jax.generation import generate
 
     model = load(args.model, compute_dtype=args.dtype)
-    if tokenizer.vocab_size > model.cfg.vocab_size:
-        raise ZayaError(f"the tokenizer has {tokenizer.vocab_size} ids but the model's vocabulary is "
-                        f"{model.cfg.vocab_size}: pass the tokenizer the model was trained with (--tokenizer)")
+    check_fits(tokenizer, model.cfg.vocab_size, "pass the tokenizer the model was trained with (--tokenizer)")
     stream = _Stream(tokenizer, prompts[0]) if len(prompts) == 1 else None
     start = time.perf_counter()
     out = generate(model, prompts, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
@@ -100,16 +98,9 @@ class _Stream:
 
 
 def _check_numbers(args) -> None:
-    if args.max_new_tokens < 1:
-        raise ZayaError(f"--max-new-tokens must be at least 1, got {args.max_new_tokens}")
-    if not math.isfinite(args.temperature) or args.temperature < 0:
-        raise ZayaError(f"--temperature must be a finite number ≥ 0 (0 = greedy), got {args.temperature}")
-    if args.top_k is not None and args.top_k < 1:
-        raise ZayaError(f"--top-k must be at least 1, got {args.top_k}")
-    if args.top_p is not None and not 0 < args.top_p <= 1:
-        raise ZayaError(f"--top-p must be in (0, 1], got {args.top_p}")
-    if (args.top_k is not None or args.top_p is not None) and args.temperature == 0:
-        raise ZayaError("--top-k and --top-p choose among sampled tokens; add --temperature > 0")
+    from zaya_jax.generation import check_sampling
+
+    check_sampling(args.max_new_tokens, args.temperature, args.top_k, args.top_p, flags=True)
 
 
 def _prompts(args) -> list[str]:

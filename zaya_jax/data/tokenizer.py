@@ -95,6 +95,12 @@ def load_tokenizer(spec: str, eos_id: int | None = None, pad_id: int | None = No
     return HFTokenizer(resolved, eos_id=eos_id, pad_id=pad_id)
 
 
+def check_fits(tokenizer, vocab_size: int, fix: str) -> None:
+    """A tokenizer with more ids than the model's vocabulary would feed it ids it has no row for."""
+    if tokenizer.vocab_size > vocab_size:
+        raise ZayaError(f"the tokenizer has {tokenizer.vocab_size} ids but the model's vocabulary is {vocab_size}; {fix}")
+
+
 def model_tokenizer(model_dir: str, spec: str | None = None):
     """The tokenizer `spec` names, else the one a model directory holds: a training run leaves
     `tokenizer.txt` (the word `bytes`) or `tokenizer.json` beside its model, and Hugging Face

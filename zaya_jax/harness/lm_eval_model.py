@@ -76,9 +76,9 @@ class ZayaLM(TemplateLM):
         return lm
 
     def setup(self, tokenizer, scorer: Scorer, generator: Generator, *, max_gen_toks, prefix_token_id, vocab_size, seed):
-        if tokenizer.vocab_size > vocab_size:
-            raise ZayaError(f"the tokenizer has {tokenizer.vocab_size} ids but the model's vocabulary is {vocab_size}: "
-                            "pass the tokenizer the model was trained with (tokenizer=...)")
+        from zaya_jax.data.tokenizer import check_fits
+
+        check_fits(tokenizer, vocab_size, "pass the tokenizer the model was trained with (tokenizer=...)")
         self.words, self.scorer, self.generator = tokenizer, scorer, generator
         self.max_gen_toks = _count("max_gen_toks", max_gen_toks)
         self._prefix = None if prefix_token_id is None else int(prefix_token_id)

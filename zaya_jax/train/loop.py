@@ -30,7 +30,7 @@ import sys
 import jax
 
 from zaya_jax.data.pipeline import DataPipeline, DataSettings
-from zaya_jax.data.tokenizer import load_tokenizer
+from zaya_jax.data.tokenizer import check_fits, load_tokenizer
 from zaya_jax.errors import ZayaError
 from zaya_jax.experiment import Experiment
 from zaya_jax.kernels import xla_flags
@@ -66,9 +66,7 @@ def prepare_workdir(workdir: str) -> str:
 def build_data(exp: Experiment) -> DataPipeline:
     d, model = exp.config.data, exp.model
     tokenizer = load_tokenizer(d.tokenizer, eos_id=model.eos_token_id if d.tokenizer != "bytes" else None)
-    if tokenizer.vocab_size > model.vocab_size:
-        raise ZayaError(f"the tokenizer has {tokenizer.vocab_size} tokens but model.vocab_size is {model.vocab_size}; "
-                        "raise model.vocab_size to at least the tokenizer's size")
+    check_fits(tokenizer, model.vocab_size, "raise model.vocab_size to at least the tokenizer's size")
     return DataPipeline(DataSettings.from_config(exp.config), tokenizer)
 
 
