@@ -109,7 +109,8 @@ def _downstream_tasks(exp: Experiment):
     e = exp.config.eval
     if (e.tasks.strip() or e.prompts) and jax.process_count() > 1:
         raise ZayaError("eval.tasks and eval.prompts run in single-process runs for now; evaluate a multi-process "
-                        "run's WORKDIR/model with `zaya eval` and `zaya generate`, or set eval.tasks='' eval.prompts=[]")
+                        "run's WORKDIR/model with `zaya eval` and `zaya generate`, or set eval.tasks='' eval.prompts=[]",
+                        every_process=True)
     return check_tasks(exp.config)
 
 
