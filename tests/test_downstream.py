@@ -56,6 +56,8 @@ def test_task_scores_at_every_evaluation_equal_zaya_evals_on_the_exported_model(
     assert set(scores[4]) == {"task/python_cloze/acc", "task/python_cloze/acc_norm",
                               "task/python_paragraphs/word_perplexity", "task/python_paragraphs/bits_per_byte"}
     assert scores[2] != scores[4]  # the live state, not one copy of it
+    tags = {(event.step, value.tag) for event in tensorboard_events(workdir / "tensorboard") for value in event.summary.value}
+    assert {(2, "task/python_cloze/acc"), (4, "task/python_paragraphs/bits_per_byte")} <= tags
     manager, tasks = resolve_tasks([f"{TASKS}/python_cloze.yaml", f"{TASKS}/python_paragraphs.yaml"])
     ref = lm_eval.simple_evaluate(model="zaya", model_args=f"model={workdir / 'model'},max_length={SEQ_LEN}",
                                   tasks=tasks, task_manager=manager, bootstrap_iters=0)["results"]
