@@ -16,19 +16,27 @@ import time
 
 from zaya_jax.cpu_host import DEVICE_COUNT_FLAG
 from zaya_jax.errors import ZayaError
+from zaya_jax.explore import xla_terms
 
 
-def memory_report(program) -> dict:
+def memory_report(program, terms: bool = False) -> dict:
     """Compile the program's train step; its per-device memory analysis and compile time (in all, and
-    per phase: trace, lower, XLA compile)."""
-    compiled, phases = program.compile_train_step_phases()
+    per phase: trace, lower, XLA compile); with `terms`, its bytes at the peak by explorer term
+    (`xla_terms`)."""
+    if terms:
+        with xla_terms.dumping() as (options, read_peak):
+            compiled, phases = program.compile_train_step_phases(options)
+            by_term = xla_terms.attribute(read_peak(), xla_terms.total_bytes(compiled))
+    else:
+        compiled, phases = program.compile_train_step_phases()
     mem = compiled.memory_analysis()
-    return {"argument_bytes": int(mem.argument_size_in_bytes), "output_bytes": int(mem.output_size_in_bytes),
-            "alias_bytes": int(mem.alias_size_in_bytes), "temp_bytes": int(mem.temp_size_in_bytes),
-            "compile_s": round(sum(phases.values()), 1), "phases": phases}
+    report = {"argument_bytes": int(mem.argument_size_in_bytes), "output_bytes": int(mem.output_size_in_bytes),
+              "alias_bytes": int(mem.alias_size_in_bytes), "temp_bytes": int(mem.temp_size_in_bytes),
+              "compile_s": round(sum(phases.values()), 1), "phases": phases}
+    return report | ({"terms": by_term} if terms else {})
 
 
-def compile_layout(config_path: str, overrides: list[str], layout: dict[str, int], devices) -> dict:
+def compile_layout(config_path: str, overrides: list[str], layout: dict[str, int], devices, terms: bool = False) -> dict:
     """XLA's numbers for one layout, or {"error": why} when the step cannot be built here."""
     from zaya_jax.experiment import load_experiment
     from zaya_jax.train.program import build_program
@@ -39,11 +47,11 @@ def compile_layout(config_path: str, overrides: list[str], layout: dict[str, int
         program = build_program(load_experiment(config_path, kernel + list(overrides) + mesh), devices)
     except ZayaError as e:
         return {"error": str(e)}
-    return memory_report(program)
+    return memory_report(program, terms)
 
 
 def validate(config_path: str, overrides: list[str], layouts: list[dict[str, int]], progress=print,
-             devices=None) -> dict:
+             devices=None, terms: bool = False) -> dict:
     """XLA's numbers for each layout, keyed by `placement.describe(layout)`, compiled on `devices`
     (node-major; default JAX's)."""
     import jax
@@ -58,6 +66,6 @@ def validate(config_path: str, overrides: list[str], layouts: list[dict[str, int
             raise ZayaError(f"--validate needs {n} devices and JAX sees {len(devices)}; run with "
                             f"XLA_FLAGS={DEVICE_COUNT_FLAG}={n} JAX_PLATFORMS=cpu")
         start = time.perf_counter()
-        out[describe(layout)] = compile_layout(config_path, overrides, layout, devices[:n])
+        out[describe(layout)] = compile_layout(config_path, overrides, layout, devices[:n], terms)
         progress(f"validate {i}/{len(layouts)}: {describe(layout)} compiled in {time.perf_counter() - start:.1f}s")
     return out

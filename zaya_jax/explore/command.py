@@ -20,7 +20,7 @@ Hardware profiles (zaya_jax/hardware.py, with sources): mi300x, mi325x, mi355x, 
 
 The JSON (--json) is a list, one object per layout: layout, fits, predicted {param_bytes, grad_bytes,
 optimizer_bytes, activation_bytes, total_bytes, step_time_s, mfu, ...}, and with --validate
-xla {argument_bytes, temp_bytes, ...}. --validate compiles the real train step of the shown layouts
+xla {argument_bytes, temp_bytes, ..., with --terms terms {parameters, gradients, ...}}. --validate compiles the real train step of the shown layouts
 that fit, from abstract shapes, on nodes x gpus-per-node fake CPU devices (at most 64); run under
 `zaya launch` or srun (a multi-process job) it compiles on the job's own devices instead."""
 
@@ -43,6 +43,8 @@ def add_parser(jobs) -> None:
     p.add_argument("--plot", metavar="FILE.png", help="memory vs step time scatter (needs matplotlib)")
     p.add_argument("--collectives", metavar="FILE", help="measured bus bandwidths (JSON records, see below)")
     p.add_argument("--validate", action="store_true", help="compile the shown layouts that fit and report XLA's bytes")
+    p.add_argument("--terms", action="store_true",
+                   help="with --validate: each memory term predicted against XLA's buffers at the step's peak")
 
 
 def _check_numbers(args) -> None:
@@ -50,6 +52,8 @@ def _check_numbers(args) -> None:
                         ("--global-batch", args.global_batch)):
         if value is not None and value < 1:
             raise ZayaError(f"{flag} must be a positive integer, got {value}")
+    if args.terms and not args.validate:
+        raise ZayaError("--terms compares the prediction with XLA's compiled step; add --validate")
     if args.top < 0:
         raise ZayaError(f"--top must be 0 (all) or a positive count, got {args.top}")
     if args.plot and not args.plot.lower().endswith(".png"):
@@ -130,11 +134,14 @@ def mesh_command(args, overrides: list[str]) -> int:
 
         targets = [p.layout for p in shown if p.fits]
         xla = validate(args.config, overrides, targets, progress=lambda m: print(m, file=sys.stderr, flush=True),
-                       devices=devices)
+                       devices=devices, terms=args.terms)
         if devices is not None and not _is_process_zero():
             return 0  # every process compiled; process 0 reports
     print(report.header(question, len(shown), len(predictions), len(fitting)))
     print(report.table(shown, xla))
+    if args.terms:
+        print("\nMemory per device by term, predicted against XLA's buffers at the step's peak:")
+        print(report.terms_table(shown, xla))
     if args.json:
         report.write_json(args.json, predictions, xla)
         print(f"wrote {args.json} ({len(predictions)} layouts)")

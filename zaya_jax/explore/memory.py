@@ -50,6 +50,25 @@ class Memory:
         return self.param_bytes + self.grad_bytes + self.optimizer_bytes + self.activation_bytes
 
 
+# Each predicted part's term in XLA's attribution (`xla_terms.TERMS`): the gathered K/V a backward
+# without remat keeps are a collective's results there, as every schedule buffer is.
+PART_TERMS = {"stored_activations": "stored_activations", "stored_gathered": "schedule",
+              "block_working_set": "block_working_set", "loss": "loss", "gathered_weights": "schedule",
+              "ring_slices": "schedule", "gathered_kv": "schedule", "gathered_states": "schedule",
+              "optimizer_temporaries": "update", "inputs": "inputs"}
+
+
+def by_term(m: Memory) -> dict[str, float]:
+    """The prediction in `xla_terms.TERMS`' terms (0 for the terms the model has no part for)."""
+    from zaya_jax.explore.xla_terms import TERMS
+
+    out = dict.fromkeys(TERMS, 0.0) | {"parameters": m.param_bytes, "gradients": m.grad_bytes,
+                                        "optimizer": m.optimizer_bytes}
+    for part, value in m.parts.items():
+        out[PART_TERMS[part]] += value
+    return out
+
+
 def usable_bytes(run: Workload) -> float:
     return run.hw.hbm_gb * 1e9 * (1 - HEADROOM)
 

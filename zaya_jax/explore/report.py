@@ -7,6 +7,8 @@ import os
 
 from zaya_jax.errors import ZayaError
 from zaya_jax.explore.explorer import GIB, Prediction
+
+MIB = 2 ** 20
 from zaya_jax.explore.placement import describe
 from zaya_jax.explore.workload import Workload
 
@@ -37,6 +39,34 @@ def table(predictions: list[Prediction], xla: dict | None = None) -> str:
         rows.append(row)
     widths = [max(len(c), *(len(r[i]) for r in rows)) for i, c in enumerate(cols)]
     line = lambda cells: "  ".join(c.ljust(w) if i in (1, 10) else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths)))
+    return "\n".join([line(cols)] + [line(r) for r in rows])
+
+
+def terms_table(predictions: list[Prediction], xla: dict) -> str:
+    """Per validated layout, each memory term predicted against XLA's bytes at the step's peak
+    (`xla_terms`), MiB per device; `kernel` and `xla_copies` have no predicted part."""
+    from zaya_jax.explore.memory import by_term
+    from zaya_jax.explore.xla_terms import CPU_ONLY_TERMS, TERMS
+
+    cols = ["layout", "term", "predicted MiB", "XLA MiB", "XLA/pred"]
+    rows = []
+    for p in predictions:
+        result = (xla or {}).get(describe(p.layout)) or {}
+        if "terms" not in result:
+            continue
+        predicted = by_term(p.memory)
+        for term in TERMS:
+            want, got = predicted[term], result["terms"][term]
+            if not (want or got):
+                continue
+            name = term + (" (CPU only)" if term in CPU_ONLY_TERMS else "")
+            rows.append([describe(p.layout), name, f"{want / MIB:.2f}", f"{got / MIB:.2f}",
+                         f"{got / want:.2f}" if want else "-"])
+        total = sum(predicted.values())
+        rows.append([describe(p.layout), "total", f"{total / MIB:.2f}", f"{sum(result['terms'].values()) / MIB:.2f}",
+                     f"{sum(result['terms'].values()) / total:.2f}"])
+    widths = [max(len(c), *(len(r[i]) for r in rows)) if rows else len(c) for i, c in enumerate(cols)]
+    line = lambda cells: "  ".join(c.ljust(w) if i < 2 else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths)))
     return "\n".join([line(cols)] + [line(r) for r in rows])
 
 

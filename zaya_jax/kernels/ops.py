@@ -9,6 +9,7 @@ ignore `interpret` and `blocks`. The target is this machine's unless the caller 
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 
 from zaya_jax.kernels import linear_attention as la
@@ -59,10 +60,14 @@ def grouped_matmul(lhs, rhs, group_sizes, *, preferred_element_type=None, backen
 
         return pallas_gmm.grouped_matmul(lhs, rhs, group_sizes, preferred_element_type=preferred_element_type,
                                          blocks=blocks, interpret=interpret_mode(interpret))
-    if backend in ("cudnn", "hipblaslt"):  # ragged_dot too; the backend's XLA flag picks the GEMM (registry.XLA_FLAGS)
-        out = xla_backends.vendor_grouped_matmul(lhs, rhs, group_sizes)
-        return out.astype(preferred_element_type or lhs.dtype)
-    return _grouped_impl(backend).grouped_matmul(lhs, rhs, group_sizes, preferred_element_type=preferred_element_type)
+    # The backend in the op names: buffers of a backend's own form are told apart in XLA's reports
+    # (`explore/xla_terms.py`: the CPU's expansion of ragged_dot, the tiled form's tile copies).
+    with jax.named_scope(f"grouped_matmul_{backend}"):
+        if backend in ("cudnn", "hipblaslt"):  # ragged_dot too; the backend's XLA flag picks the GEMM (registry.XLA_FLAGS)
+            out = xla_backends.vendor_grouped_matmul(lhs, rhs, group_sizes)
+            return out.astype(preferred_element_type or lhs.dtype)
+        return _grouped_impl(backend).grouped_matmul(lhs, rhs, group_sizes,
+                                                     preferred_element_type=preferred_element_type)
 
 
 def grouped_matmul_transposed(lhs, dout, group_sizes, *, num_groups=None, preferred_element_type=None,
@@ -79,8 +84,9 @@ def grouped_matmul_transposed(lhs, dout, group_sizes, *, num_groups=None, prefer
         return pallas_gmm.grouped_matmul_transposed(
             lhs, dout, group_sizes, num_groups, preferred_element_type=preferred_element_type, blocks=blocks,
             interpret=interpret_mode(interpret))
-    return _grouped_impl(backend).grouped_matmul_transposed(lhs, dout, group_sizes, num_groups,
-                                          preferred_element_type=preferred_element_type)
+    with jax.named_scope(f"grouped_matmul_{backend}"):
+        return _grouped_impl(backend).grouped_matmul_transposed(lhs, dout, group_sizes, num_groups,
+                                                                preferred_element_type=preferred_element_type)
 
 
 def _grouped_impl(backend: str):

@@ -213,8 +213,9 @@ class Program:
         compiled, phases = self.compile_train_step_phases()
         return compiled, sum(phases.values())
 
-    def compile_train_step_phases(self):
+    def compile_train_step_phases(self, compiler_options: dict | None = None):
         """AOT-compile the train step; returns (compiled, {"trace_s", "lower_s", "compile_s"}).
+        `compiler_options` go to XLA (e.g. its dump, `explore/xla_terms.py`).
 
         Trace is Python (the model and schedules traced into a jaxpr), lower is the jaxpr to
         StableHLO (where Pallas kernels become Triton), compile is XLA (or the persistent
@@ -228,7 +229,7 @@ class Program:
         with checked_lowering(self.target):
             lowered = traced.lower()
         clock.append(time.perf_counter())
-        compiled = lowered.compile()
+        compiled = lowered.compile(compiler_options=compiler_options)
         clock.append(time.perf_counter())
         spans = [round(b - a, 2) for a, b in zip(clock, clock[1:])]
         return compiled, dict(zip(("trace_s", "lower_s", "compile_s"), spans))

@@ -1,0 +1,100 @@
+"""XLA's buffers at a compiled step's peak, attributed to the explorer's terms (`explore/xla_terms.py`):
+the terms sum to XLA's own total; the step's arguments land in parameters, optimizer and inputs
+to the byte (copies XLA makes of them included); what the forward keeps for the backward is a
+stored activation, what the backward makes is its working set or, shaped like a parameter, a
+gradient; `zaya mesh --validate --terms` prints the comparison and writes it to its JSON."""
+
+import json
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from paths import TINY
+from zaya_jax.explore import xla_terms
+from zaya_process import zaya
+
+SMALL = ["--config.train.seq_len=64", "--config.train.global_batch_size=8", "--config.model.num_hidden_layers=2"]
+
+
+def _attributed(fn, *args):
+    with xla_terms.dumping() as (options, read_peak):
+        compiled = jax.jit(fn).trace(*args).lower().compile(compiler_options=options)
+        buffers = read_peak()
+    return xla_terms.attribute(buffers, xla_terms.total_bytes(compiled)), buffers, compiled
+
+
+def test_a_small_training_steps_buffers_land_in_their_terms():
+    """Two tanh layers: the forward's [512, 256] activations are kept for the backward, which makes
+    the [256, 256] weight gradients; the weights are the arguments."""
+    def loss(w, x):
+        with jax.named_scope("block"):
+            h = jnp.tanh(x @ w[0])
+            h = jnp.tanh(h @ w[1])
+        return jnp.sum(h ** 2)
+
+    def step(w, x):
+        return jax.tree.map(lambda p, g: p - 0.1 * g, w, jax.grad(loss)(w, x))
+
+    w = [jnp.ones((256, 256)) * 0.01, jnp.ones((256, 256)) * 0.01]
+    x = jnp.ones((512, 256))
+    terms, buffers, compiled = _attributed(step, w, x)
+    assert set(terms) == set(xla_terms.TERMS)
+    assert sum(terms.values()) == xla_terms.total_bytes(compiled)
+    assert terms["fragmentation"] >= 0
+    activation = 512 * 256 * 4
+    assert terms["stored_activations"] >= activation  # at least one tanh output, waiting for the backward
+    assert terms["block_working_set"] + terms["gradients"] + terms["stored_activations"] >= 2 * activation
+
+
+@pytest.fixture(scope="module")
+def validated(tmp_path_factory):
+    out = tmp_path_factory.mktemp("terms") / "layouts.json"
+    result = zaya("mesh", f"--config={TINY}", "--hardware=cpu", "--top=2", "--validate", "--terms", f"--json={out}",
+                  *SMALL, devices=8)
+    assert result.returncode == 0, result.stderr
+    return result, [r for r in json.loads(out.read_text()) if "xla" in r]
+
+
+def test_arguments_are_attributed_to_the_byte_and_the_terms_sum_to_xlas_total(validated):
+    _, rows = validated
+    assert len(rows) == 2
+    for row in rows:
+        xla, predicted = row["xla"], row["predicted"]
+        terms = xla["terms"]
+        assert sum(terms.values()) == xla["argument_bytes"] + xla["temp_bytes"] + xla["output_bytes"] - xla["alias_bytes"]
+        # The explorer's parameter and optimizer bytes are exact (tests/test_mesh_validate.py), so the
+        # attribution of the step's arguments (and of XLA's copies of them) must meet them.
+        assert terms["parameters"] == pytest.approx(predicted["param_bytes"], rel=0.01), row["layout"]
+        assert terms["optimizer"] == pytest.approx(predicted["optimizer_bytes"], rel=0.01), row["layout"]
+        assert terms["stored_activations"] > 0 and terms["xla_copies"] < 0.01 * sum(terms.values())
+
+
+def test_the_terms_table_is_printed_with_the_cpu_only_term_marked(validated):
+    result, rows = validated
+    assert "Memory per device by term, predicted against XLA's buffers at the step's peak" in result.stdout
+    table = result.stdout.split("step's peak:")[1]
+    for term in ("parameters", "gradients", "optimizer", "stored_activations", "block_working_set", "total"):
+        assert f"  {term} " in table, term
+    if any(r["xla"]["terms"]["kernel"] for r in rows):
+        assert "kernel (CPU only)" in table
+
+
+def test_terms_without_validate_is_one_line_and_exit_2():
+    result = zaya("mesh", f"--config={TINY}", "--hardware=cpu", "--terms")
+    assert result.returncode == 2 and result.stderr.strip() == \
+        "zaya: error: --terms compares the prediction with XLA's compiled step; add --validate"
+
+
+def test_a_copy_of_an_argument_is_the_arguments(tmp_path):
+    """XLA copies a donated argument it must read while the output overwrites it; the copy has no
+    op name of its own and takes its source's."""
+    hlo = ('  %param.3 = f32[4,4]{1,0} parameter(0), metadata={op_name="state.opt_state[0].mu[' + "\\'w\\'" + ']"}\n'
+           '  %copy.7 = f32[4,4]{1,0} copy(%param.3)\n'
+           '  %copy.8 = f32[4,4]{1,0} copy(%copy.7)\n')
+    path = tmp_path / "m.txt"
+    path.write_text(hlo)
+    table = xla_terms._instructions(str(path))
+    assert table["copy.8"] == ("f32[4,4]", "copy", "state.opt_state[0].mu['w']")
+    buffer = xla_terms.Buffer("copy.8", 64, *table["copy.8"])
+    assert xla_terms.term_of(buffer, set()) == "optimizer"

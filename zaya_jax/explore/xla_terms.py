@@ -1,0 +1,185 @@
+"""XLA's memory at a compiled step's peak, attributed to the explorer's memory terms.
+
+Compiled with XLA's dump on (`dumping`), a step leaves its optimized HLO (every instruction's shape, opcode and
+the JAX op name of the code that made it) and its buffers' live ranges, with the set live at the
+peak (`*after_optimizations-live-range.txt`). Each buffer live at the peak goes to one term, by
+what made it (`TERM_RULES`, first match):
+
+  parameters, optimizer, inputs  the step's arguments, by their names (`state.params[...]`, ...)
+  gradients           made by the backward (`transpose(...)` in its op name) or carried between
+                      micro-batches, with the shape of a parameter's shard (whole, or one layer's)
+  loss                made under the loss's scope
+  schedule            a collective's result: gathered weights, K/V or states, routed tokens
+  update              made outside the differentiated step: the optimizer and balancer update
+  stored_activations  made by the forward (`jvp(...)`): what the backward will read
+  block_working_set   made by the backward: one block's gradients of its activations
+  kernel              made inside a kernel's CPU-only form (`CPU_ONLY_SCOPES`: the `tiled`
+                      grouped matmul's per-tile copies of rows and weights); no GPU kernel has them
+  xla_copies          copies XLA added between loop buffers, with no source op
+and `fragmentation`: what XLA reserves beyond the bytes live at the peak (how the temporaries
+pack). The terms sum to XLA's argument + temporary + output − aliased bytes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import glob
+import os
+import re
+import tempfile
+
+import jax
+
+from zaya_jax.errors import ZayaError
+
+TERMS = ("parameters", "gradients", "optimizer", "inputs", "stored_activations", "block_working_set", "loss",
+         "schedule", "update", "kernel", "xla_copies", "fragmentation")
+CPU_ONLY_TERMS = ("kernel",)  # a GPU backend holds every other term too
+# Grouped-matmul backends whose CPU form holds buffers no GPU kernel has (`kernels/ops.py` names
+# the scopes): XLA's CPU expansion of ragged_dot ([G, M, K] masked copies), the tiled form's tiles.
+CPU_ONLY_SCOPES = ("grouped_matmul_xla/", "grouped_matmul_tiled/")
+COLLECTIVES = ("all-gather", "all-to-all", "collective-permute", "all-reduce", "reduce-scatter",
+               "all-gather-start", "all-gather-done", "collective-permute-start", "collective-permute-done",
+               "all-reduce-start", "all-reduce-done")
+
+_INSTRUCTION = re.compile(r"^\s*(?:ROOT )?%(\S+) = (.+?) ([\w-]+)\(")
+_OP_NAME = re.compile(r'op_name="((?:[^"\\]|\\.)*)"')
+_COPIED = re.compile(r" copy\(%([^)\s,]+)\)")
+_LIVE = re.compile(r"^\s+(\S+)\{[^}]*\}: (\d+) bytes")
+
+
+@dataclasses.dataclass(frozen=True)
+class Buffer:
+    name: str
+    bytes: int
+    shape: str  # as the HLO writes it, layout dropped: f32[4,4,128,128]
+    opcode: str
+    op_name: str  # "" when XLA made it with no source op
+
+
+@contextlib.contextmanager
+def dumping():
+    """(XLA compiler options that dump the step's reports into a temporary folder, a function
+    reading the buffers live at the peak from it). The persistent compilation cache is off
+    meanwhile: a step it served would be compiled by no one, and dump nothing."""
+    previous = jax.config.jax_enable_compilation_cache
+    jax.config.update("jax_enable_compilation_cache", False)
+    try:
+        with tempfile.TemporaryDirectory(prefix="zaya_xla_") as folder:
+            yield {"xla_dump_to": folder, "xla_dump_hlo_as_text": True}, lambda: peak_buffers(*_dump_files(folder))
+    finally:
+        jax.config.update("jax_enable_compilation_cache", previous)
+
+
+def total_bytes(compiled) -> int:
+    """Per device: XLA's argument + temporary + output − aliased bytes."""
+    m = compiled.memory_analysis()
+    return m.argument_size_in_bytes + m.temp_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes
+
+
+def _dump_files(folder: str) -> tuple[str, str]:
+    ranges = sorted(glob.glob(os.path.join(folder, "*after_optimizations-live-range.txt")), key=os.path.getsize)
+    if not ranges:
+        raise ZayaError("XLA wrote no buffer live ranges for this step (was it loaded from the compilation "
+                        "cache?); run without a compilation cache to attribute its memory")
+    live = ranges[-1]  # the step itself: the largest module
+    return live, live.replace("-live-range.txt", ".txt")
+
+
+def peak_buffers(live_range_path: str, hlo_path: str) -> list[Buffer]:
+    """The buffers XLA lists as live at the peak, each with its instruction's shape, opcode and op name."""
+    instructions = _instructions(hlo_path)
+    buffers, inside = [], False
+    with open(live_range_path, encoding="utf-8") as f:
+        for line in f:
+            if "(peak):" in line:
+                inside = True
+                continue
+            if inside:
+                match = _LIVE.match(line)
+                if not match:
+                    break
+                shape, opcode, op_name = instructions.get(match.group(1), ("", "", ""))
+                buffers.append(Buffer(match.group(1), int(match.group(2)), shape, opcode, op_name))
+    if not buffers:
+        raise ZayaError(f"{live_range_path} lists no buffers live at the peak; this XLA writes another format")
+    return buffers
+
+
+def _instructions(hlo_path: str) -> dict[str, tuple[str, str, str]]:
+    """name → (shape, opcode, op name); a copy XLA added without a source op takes its operand's
+    op name (the step's arguments are copied so: their copy is theirs)."""
+    out, copied = {}, {}
+    with open(hlo_path, encoding="utf-8") as f:
+        for line in f:
+            match = _INSTRUCTION.match(line)
+            if match:
+                name, shape, opcode = match.groups()
+                op_name = _OP_NAME.search(line)
+                out[name] = (re.sub(r"\{[^}]*\}", "", shape), opcode, op_name.group(1).replace("\\'", "'") if op_name else "")
+                source = _COPIED.search(line) if opcode == "copy" and not op_name else None
+                if source:
+                    copied[name] = source.group(1)
+    for name, source in copied.items():
+        seen = {name}
+        while source in copied and source not in seen:
+            seen.add(source)
+            source = copied[source]
+        if source in out:
+            out[name] = out[name][:2] + (out[source][2],)
+    return out
+
+
+def attribute(buffers: list[Buffer], total_bytes: int) -> dict[str, int]:
+    """{term: bytes} over `TERMS`; `fragmentation` is `total_bytes` less the bytes live at the peak."""
+    param_shapes = _param_shapes(buffers)
+    out = dict.fromkeys(TERMS, 0)
+    for buffer in buffers:
+        out[term_of(buffer, param_shapes)] += buffer.bytes
+    out["fragmentation"] = total_bytes - sum(b.bytes for b in buffers)
+    return out
+
+
+def _rank(shape: str) -> int:
+    dims = re.match(r"\w+\[([^\]]*)\]$", shape)
+    return len(dims.group(1).split(",")) if dims and dims.group(1) else 0
+
+
+def _param_shapes(buffers: list[Buffer]) -> set[str]:
+    """A parameter shard's shape (as a parameter, or as its optimizer state: ZeRO-1's shard of
+    the gradient), and one layer's of a stacked parameter ([L, ...] → [...])."""
+    shapes = set()
+    for b in buffers:
+        if b.op_name.startswith("state.params") or (b.op_name.startswith("state.opt_state") and "['" in b.op_name):
+            shapes.add(b.shape)
+            dims = re.match(r"(\w+)\[(\d+),(.*)\]", b.shape)
+            if dims and "['layers/" in b.op_name:
+                shapes.add(f"{dims.group(1)}[{dims.group(3)}]")
+    return shapes
+
+
+def term_of(b: Buffer, param_shapes: set[str]) -> str:
+    name = b.op_name
+    if name.startswith("state.params"):
+        return "parameters"
+    if name.startswith("state."):
+        return "optimizer"
+    if name.startswith("batches"):
+        return "inputs"
+    backward = "transpose(" in name
+    if b.shape in param_shapes and (backward or not name):
+        return "gradients"
+    if any(scope in name for scope in CPU_ONLY_SCOPES) and _rank(b.shape) >= 3:
+        return "kernel"  # the product's own [rows, width] operands and result are activations
+    if not name:
+        return "xla_copies"
+    if "loss" in name.split("/"):
+        return "loss"
+    if b.opcode in COLLECTIVES:
+        return "schedule"
+    if backward:
+        return "block_working_set"
+    if "jvp(" in name:
+        return "stored_activations"
+    return "update"
