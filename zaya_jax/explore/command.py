@@ -14,6 +14,9 @@ config overrides: any --config.KEY=VALUE of `zaya train`, e.g. --config.train.re
   --config.train.grad_accum_steps=8 --config.model.compute_dtype=bfloat16.
 
 Hardware profiles (zaya_jax/hardware.py, with sources): mi300x, mi325x, mi355x, h100, h200, cpu.
+--calibrate=benchmarks/gpu_<device>.json (tools/gpu_check.py's report from that device) replaces the
+  profile's GEMM efficiency by the measured share of the peak of each kernel the run uses, and scales
+  compute by the measured train step's residual (docs/mesh_explorer.md, "Calibrating").
 --collectives=FILE replaces the modelled link bandwidths by measured ones: a JSON list of
   {"tier": "intra"|"inter", "op": "all_gather"|"reduce_scatter"|"all_reduce"|"all_to_all"|"permute",
    "group": 8, "bytes": 1048576, "busbw_gb_per_s": 250.0} records (busbw as nccl-tests/rccl-tests print it).
@@ -42,6 +45,8 @@ def add_parser(jobs) -> None:
     p.add_argument("--json", metavar="FILE", help="write every layout's prediction here")
     p.add_argument("--plot", metavar="FILE.png", help="memory vs step time scatter (needs matplotlib)")
     p.add_argument("--collectives", metavar="FILE", help="measured bus bandwidths (JSON records, see below)")
+    p.add_argument("--calibrate", metavar="GPU_CHECK.json",
+                   help="measured kernel efficiencies and a step residual from tools/gpu_check.py's report")
     p.add_argument("--validate", action="store_true", help="compile the shown layouts that fit and report XLA's bytes")
     p.add_argument("--terms", action="store_true",
                    help="with --validate: each memory term predicted against XLA's buffers at the step's peak")
@@ -125,6 +130,11 @@ def mesh_command(args, overrides: list[str]) -> int:
         overrides.append(f"--config.train.global_batch_size={args.global_batch}")
     exp = load_experiment(args.config, overrides)
     question = Workload.from_experiment(exp, hw, args.nodes, args.gpus_per_node)
+    calibrated = None
+    if args.calibrate:
+        from zaya_jax.explore.calibration import calibrate
+
+        question, calibrated = calibrate(question, args.calibrate)
     predictions = explore(question, Network(hw, curves))
     shown = predictions[: args.top or None]
     fitting = [p for p in predictions if p.fits]
@@ -138,6 +148,8 @@ def mesh_command(args, overrides: list[str]) -> int:
         if devices is not None and not _is_process_zero():
             return 0  # every process compiled; process 0 reports
     print(report.header(question, len(shown), len(predictions), len(fitting)))
+    if calibrated:
+        print(calibrated.summary())
     print(report.table(shown, xla))
     if args.terms:
         print("\nMemory per device by term, predicted against XLA's buffers at the step's peak:")

@@ -1,11 +1,13 @@
 """Predicted step time of a layout: compute over a derated peak, plus each axis's collectives.
 
-Compute: the device's hardware FLOPs (the model's training FLOPs for its tokens, layer by layer
+Compute: the device's hardware FLOPs by kernel kind (the model's training FLOPs for its tokens, layer by layer
 of each kind: `flops.layer_mixer_params`, `flops.layer_core_flops`; the part a
 `tensor` group repeats on every member — the router — counted on each, the LM head split over
 its vocabulary (`vocab` rule), plus the
 recomputation the remat policy adds: a block forward under `full`, the attention core under
-`dots`, a block forward but its experts' matmuls under `moe`, and the chunked loss's logits always) over `peak × compute_efficiency`.
+`dots`, a block forward but its experts' matmuls under `moe`, and the chunked loss's logits always) over `peak × efficiency`:
+the hardware profile's `compute_efficiency` for every kind, or each kind's measured share of the
+peak and a measured residual from a calibration file (`explore/calibration.py`).
 The causal attention core of a CCA layer is the busiest sequence device's: the average under
 `mesh.zigzag` (every device the same work, `parallel/zigzag.py`), (2D−1)/D times it with D
 contiguous chunks. A linear layer's core is the same per token on every device (no S in it).
@@ -66,23 +68,36 @@ class StepTime:
 
 def hardware_flops(run: Workload, sizes: dict[str, int], s: Share) -> float:
     """FLOPs one device runs per optimizer step (forward, backward, recomputation)."""
+    return sum(flops_by_kernel(run, sizes, s).values())
+
+
+def flops_by_kernel(run: Workload, sizes: dict[str, int], s: Share) -> dict[str, float]:
+    """`hardware_flops` by the kind of kernel that runs them (`KERNEL_CLASSES`): the dense
+    matmuls (projections, router, LM head), the experts' grouped matmul, CCA's attention core and
+    the linear layers' core. Forward, backward (twice the forward) and the remat policy's
+    recomputation; the loss backward recomputes each chunk's logits."""
     cfg, t, kinds = run.cfg, sizes["tensor"], run.cfg.layer_kinds
     repeated = flops.router_params(cfg)
     head = cfg.vocab_size * cfg.hidden_size / inventory.vocab_split(cfg, sizes)
     present = [kind for kind in MIXERS if kind in kinds]
     # Causal imbalance is CCA's: a linear layer's core is the same per token on every device.
     imbalance = {"C": _busiest_causal_share(run, sizes), "L": 1.0}
-    core = sum(kinds.count(k) * flops.layer_core_flops(cfg, k, run.seq_len) / 3 / t * imbalance[k] for k in present)
-    block_fwd = sum(kinds.count(k) * 2 * ((flops.layer_mixer_params(cfg, k) + flops.expert_params(cfg)) / t + repeated)
-                    for k in present) + core
-    per_token = 3 * block_fwd + 6 * head + 2 * head  # the loss backward recomputes each chunk's logits
-    if run.remat == "full":
-        per_token += block_fwd
-    elif run.remat == "dots":
-        per_token += core
-    elif run.remat == "moe":  # all but the experts' matmuls
-        per_token += block_fwd - cfg.num_hidden_layers * 2 * flops.expert_params(cfg) / t
-    return per_token * s.tokens * run.grad_accum
+    core = {k: kinds.count(k) * flops.layer_core_flops(cfg, k, run.seq_len) / 3 / t * imbalance[k] for k in present}
+    dense = sum(kinds.count(k) * 2 * (flops.layer_mixer_params(cfg, k) / t + repeated) for k in present)
+    experts = cfg.num_hidden_layers * 2 * flops.expert_params(cfg) / t
+    recompute = {"full": (1, 1, 1), "dots": (0, 0, 1), "moe": (1, 0, 1)}.get(run.remat, (0, 0, 0))
+    per_token = {"matmul": (3 + recompute[0]) * dense + 8 * head,
+                 "grouped_matmul": (3 + recompute[1]) * experts,
+                 "attention": (3 + recompute[2]) * core.get("C", 0.0),
+                 "linear_attention": (3 + recompute[2]) * core.get("L", 0.0)}
+    return {kind: value * s.tokens * run.grad_accum for kind, value in per_token.items()}
+
+
+def compute_seconds(run: Workload, work: dict[str, float]) -> float:
+    """Each kind's FLOPs over the peak times its efficiency (`Workload.efficiency`), times the
+    calibration's residual."""
+    peak = run.hw.peak_bf16_tflops * 1e12
+    return run.residual * sum(value / (peak * run.efficiency(kind)) for kind, value in work.items())
 
 
 def _busiest_causal_share(run: Workload, sizes: dict[str, int]) -> float:
@@ -219,7 +234,7 @@ def optimizer_seconds(run: Workload, sizes: dict[str, int]) -> float:
     state = inventory.state_bytes(run.cfg, sizes, run.zero1)
     stream = 3 * (state.params + state.grads + state.optimizer)  # read grads and state, write state
     hw = run.hw
-    return (newton_schulz_flops(run, sizes) / (hw.peak_bf16_tflops * 1e12 * hw.compute_efficiency)
+    return (newton_schulz_flops(run, sizes) / (hw.peak_bf16_tflops * 1e12 * run.efficiency("matmul"))
             + stream / (hw.hbm_tb_per_s * 1e12))
 
 
@@ -241,8 +256,9 @@ def newton_schulz_flops(run: Workload, sizes: dict[str, int]) -> float:
 
 def predict(run: Workload, sizes: dict[str, int], network: Network) -> StepTime:
     s, hw = share(run, sizes), run.hw
-    work = hardware_flops(run, sizes, s)
-    compute = work / (hw.peak_bf16_tflops * 1e12 * hw.compute_efficiency)
+    by_kernel = flops_by_kernel(run, sizes, s)
+    work = sum(by_kernel.values())
+    compute = compute_seconds(run, by_kernel)
     fixed: dict[str, float] = {}
     hideable: dict[str, float] = {}
     for tr in transfers(run, sizes):

@@ -35,6 +35,10 @@ class Workload:
     ns_steps: int = 5  # Muon's Newton–Schulz iterations
     zero1: bool = True  # optimizer state split over `data` too (optim.shard_over_data)
     zigzag: bool = True  # mesh.zigzag: causal attention balanced over the sequence devices
+    # Measured shares of the peak per kernel kind (`step_time.flops_by_kernel`), and the residual
+    # that scales compute to a measured step (`explore/calibration.py`); none: the profile's.
+    efficiencies: tuple[tuple[str, float], ...] = ()
+    residual: float = 1.0
 
     @classmethod
     def from_experiment(cls, exp, hw: HardwareProfile, nodes: int, gpus_per_node: int) -> "Workload":
@@ -54,6 +58,10 @@ class Workload:
     @property
     def compute_bytes(self) -> int:
         return 2 if self.cfg.compute_dtype == "bfloat16" else 4
+
+    def efficiency(self, kind: str) -> float:
+        """The share of the peak a kernel of this kind reaches: measured, else the profile's."""
+        return dict(self.efficiencies).get(kind, self.hw.compute_efficiency)
 
     def backend(self, kernel: str, configured: str) -> str:
         """The kernel backend the run would use on this hardware ('auto' → its kernel target's default)."""

@@ -1,0 +1,135 @@
+"""Measured efficiencies for the explorer: `zaya mesh --calibrate FILE`.
+
+FILE is the report `tools/gpu_check.py` writes on a lent device (`benchmarks/gpu_<device>.json`).
+From its kernel benchmark (fwd+bwd at ZAYA1's shapes) it takes, per kernel kind of
+`step_time.flops_by_kernel`, the share of the device's peak the run's own backend reached:
+`attention` (packed documents where measured), `grouped_matmul` (the experts' backend), `matmul`
+(the dense product of the same shapes; also the linear layers' core, which the file does not time).
+From its timed train step it takes the residual: the factor that makes the kernel-calibrated
+model's compute time for that step (one device, no collectives) meet the measured step, less the
+optimizer's modelled time: the time the kernel timings leave out (memory-bound ops, launches);
+every layout's compute is scaled by it. One measured step makes it a one-point fit: a prediction for shapes near it, not a
+law. Measured collectives come from `zaya bench collectives` (`--collectives`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+
+from zaya_jax.errors import ZayaError
+from zaya_jax.explore.workload import Workload
+
+TOOL = "tools/gpu_check.py"
+KERNEL_ROWS = {"attention": "attention", "grouped_matmul": "grouped_matmul"}  # kind → bench kernel
+MODEL_FIELDS = ("hidden_size", "num_hidden_layers", "num_experts", "num_attention_heads", "num_key_value_heads",
+                "head_dim", "moe_intermediate_size", "vocab_size", "compute_dtype")
+
+
+@dataclasses.dataclass(frozen=True)
+class Calibration:
+    path: str
+    device: str
+    efficiencies: dict  # kernel kind → share of the peak
+    residual: float
+    measured_step_s: float | None
+    modelled_step_s: float | None  # the kernel-calibrated prediction for the measured step
+
+    def summary(self) -> str:
+        kinds = ", ".join(f"{k} {v:.2f}" for k, v in sorted(self.efficiencies.items()) if k != "linear_attention")
+        step = (f"; step residual x{self.residual:.2f} (measured {self.measured_step_s:.3g} s against "
+                f"{self.modelled_step_s:.3g} s from the kernels)" if self.measured_step_s else "; no timed step")
+        return f"calibrated from {self.path} ({self.device}): share of peak {kinds}{step}"
+
+
+def read(path: str) -> dict:
+    """A gpu_check report, checked for what calibration needs."""
+    if not os.path.isfile(path):
+        raise ZayaError(f"--calibrate file {path} does not exist; pass the JSON tools/gpu_check.py wrote "
+                        "(benchmarks/gpu_<device>.json)")
+    try:
+        with open(path, encoding="utf-8") as f:
+            report = json.load(f)
+    except (OSError, ValueError) as e:
+        raise ZayaError(f"--calibrate file {path} is not valid JSON ({e})") from None
+    if not isinstance(report, dict) or report.get("tool") != TOOL:
+        raise ZayaError(f"--calibrate file {path} is not a {TOOL} report (measured collectives go to --collectives)")
+    rows = ((report.get("parts") or {}).get("bench") or {}).get("rows")
+    if not isinstance(rows, list) or not rows:
+        raise ZayaError(f"--calibrate file {path} has no kernel benchmark rows (its bench part did not run)")
+    return report
+
+
+def calibrate(run: Workload, path: str) -> tuple[Workload, Calibration]:
+    """`run` with the file's efficiencies for its own backends, and the residual of its timed step."""
+    report = read(path)
+    device = report.get("device", {}).get("slug", "?")
+    if device != run.hw.name:
+        raise ZayaError(f"--calibrate file {path} was measured on {device}, the question is for {run.hw.name}; "
+                        f"pass --hardware {device} or a file from a {run.hw.name}")
+    rows = report["parts"]["bench"]["rows"]
+    efficiencies = _efficiencies(run, rows, path)
+    calibrated = dataclasses.replace(run, efficiencies=tuple(sorted(efficiencies.items())))
+    step = (report["parts"].get("step") or {})
+    if step.get("status") != "ok" or not step.get("step_s"):
+        return calibrated, Calibration(path, device, efficiencies, 1.0, None, None)
+    measured = float(step["step_s"])
+    predicted = _modelled_step(step, calibrated, rows, path)
+    rest = predicted.step_time_s - predicted.compute_s  # the optimizer: not what the residual scales
+    if measured <= rest:
+        raise ZayaError(f"--calibrate file {path}: its step took {measured:.3g} s, less than the "
+                        f"{rest:.3g} s the model gives its optimizer alone; the file's step is not this model's")
+    residual = (measured - rest) / predicted.compute_s
+    return (dataclasses.replace(calibrated, residual=residual),
+            Calibration(path, device, efficiencies, residual, measured, predicted.step_time_s))
+
+
+def _efficiencies(run: Workload, rows: list, path: str) -> dict[str, float]:
+    cfg = run.cfg
+    backends = {"attention": run.backend("attention", cfg.attention_kernel),
+                "grouped_matmul": run.backend("grouped_matmul", cfg.moe_kernel)}
+    out = {"matmul": _share(rows, "grouped_matmul", "dense", path, "the dense matmul")}
+    for kind, backend in backends.items():
+        try:
+            out[kind] = _share(rows, KERNEL_ROWS[kind], backend, path, f"{kind} with the {backend} backend")
+        except ZayaError:
+            if kind == "attention" or backend != "xla":
+                raise
+            out[kind] = out["matmul"]  # never benchmarked apart: XLA's own product
+    out["linear_attention"] = out["matmul"]  # not timed by gpu_check; its core is chunked matmuls
+    return out
+
+
+def _share(rows: list, kernel: str, backend: str, path: str, what: str) -> float:
+    """The fwd+bwd share of the peak of a benchmark row (packed documents first, for attention)."""
+    found = [r for r in rows if isinstance(r, dict) and r.get("kernel") == kernel and r.get("backend") == backend
+             and r.get("pass") == "fwd+bwd" and isinstance(r.get("fraction_of_peak_flops"), (int, float))
+             and r["fraction_of_peak_flops"] > 0]
+    if not found:
+        raise ZayaError(f"--calibrate file {path} has no fwd+bwd timing of {what}; re-run tools/gpu_check.py "
+                        "with that backend, or choose a measured one (--config.model.*_kernel)")
+    found.sort(key=lambda r: "documents" not in str(r.get("variant", "")))
+    return float(found[0]["fraction_of_peak_flops"])
+
+
+def _modelled_step(step: dict, run: Workload, rows: list, path: str):
+    """The kernel-calibrated prediction for the report's timed step: its model on one device."""
+    from zaya_jax.config import preset
+    from zaya_jax.explore import step_time
+    from zaya_jax.explore.collectives import Network
+
+    model = step.get("model") or {}
+    missing = [k for k in MODEL_FIELDS if k not in model]
+    if missing or not all(k in step for k in ("seq_len", "batch", "micro_batches", "remat")):
+        raise ZayaError(f"--calibrate file {path}: its timed step does not say its shape ({missing[:1] or 'seq_len'}); "
+                        "re-run tools/gpu_check.py")
+    kernels = step.get("kernels") or {}
+    cfg = preset("zaya1_base", **{k: model[k] for k in MODEL_FIELDS},
+                 attention_kernel=kernels.get("attention", "auto"), moe_kernel=kernels.get("grouped_matmul", "auto"))
+    measured = dataclasses.replace(run, cfg=cfg, seq_len=int(step["seq_len"]), global_batch=int(step["batch"]),
+                                   grad_accum=int(step["micro_batches"]), remat=str(step["remat"]), nodes=1,
+                                   gpus_per_node=1, residual=1.0)
+    measured = dataclasses.replace(measured, efficiencies=tuple(sorted(_efficiencies(measured, rows, path).items())))
+    one = {axis: 1 for axis in ("data", "fsdp", "expert", "tsp", "tensor", "sequence")}
+    return step_time.predict(measured, one, Network(run.hw))
