@@ -86,13 +86,13 @@ def calibrate(run: Workload, path: str) -> tuple[Workload, Calibration]:
 
 
 def _efficiencies(run: Workload, rows: list, path: str) -> dict[str, float]:
-    cfg = run.cfg
+    cfg, peak = run.cfg, run.hw.peak_bf16_tflops
     backends = {"attention": run.backend("attention", cfg.attention_kernel),
                 "grouped_matmul": run.backend("grouped_matmul", cfg.moe_kernel)}
-    out = {"matmul": _share(rows, "grouped_matmul", "dense", path, "the dense matmul")}
+    out = {"matmul": _share(rows, "grouped_matmul", "dense", peak, path, "the dense matmul")}
     for kind, backend in backends.items():
         try:
-            out[kind] = _share(rows, KERNEL_ROWS[kind], backend, path, f"{kind} with the {backend} backend")
+            out[kind] = _share(rows, KERNEL_ROWS[kind], backend, peak, path, f"{kind} with the {backend} backend")
         except ZayaError:
             if kind == "attention" or backend != "xla":
                 raise
@@ -101,16 +101,16 @@ def _efficiencies(run: Workload, rows: list, path: str) -> dict[str, float]:
     return out
 
 
-def _share(rows: list, kernel: str, backend: str, path: str, what: str) -> float:
-    """The fwd+bwd share of the peak of a benchmark row (packed documents first, for attention)."""
+def _share(rows: list, kernel: str, backend: str, peak_tflops: float, path: str, what: str) -> float:
+    """A benchmark row's fwd+bwd TFLOP/s over the profile's peak (packed documents first, for
+    attention): the profile's own peak, so a nominal one (the CPU's) calibrates too."""
     found = [r for r in rows if isinstance(r, dict) and r.get("kernel") == kernel and r.get("backend") == backend
-             and r.get("pass") == "fwd+bwd" and isinstance(r.get("fraction_of_peak_flops"), (int, float))
-             and r["fraction_of_peak_flops"] > 0]
+             and r.get("pass") == "fwd+bwd" and isinstance(r.get("tflops"), (int, float)) and r["tflops"] > 0]
     if not found:
         raise ZayaError(f"--calibrate file {path} has no fwd+bwd timing of {what}; re-run tools/gpu_check.py "
                         "with that backend, or choose a measured one (--config.model.*_kernel)")
     found.sort(key=lambda r: "documents" not in str(r.get("variant", "")))
-    return float(found[0]["fraction_of_peak_flops"])
+    return float(found[0]["tflops"]) / peak_tflops
 
 
 def _modelled_step(step: dict, run: Workload, rows: list, path: str):
