@@ -98,3 +98,16 @@ def test_a_copy_of_an_argument_is_the_arguments(tmp_path):
     assert table["copy.8"] == ("f32[4,4]", "copy", "state.opt_state[0].mu['w']")
     buffer = xla_terms.Buffer("copy.8", 64, *table["copy.8"])
     assert xla_terms.term_of(buffer, set()) == "optimizer"
+
+
+def test_the_experts_fused_gate_and_up_gradient_is_a_gradient_not_a_kernel_buffer():
+    """The grouped matmul's weight gradient comes out for gate and up together, [E, H, 2I]: a shape
+    no parameter has, made inside the CPU-only scope of the `xla` backend."""
+    gate = xla_terms.Buffer("param.1", 4 * 4 * 128 * 64 * 4, "f32[4,4,128,64]", "parameter",
+                            "state.params['layers/moe/experts/gate']")
+    fused = xla_terms.Buffer("dot.9", 4 * 128 * 128 * 4, "f32[4,128,128]", "dot",
+                             "jit(train_step)/transpose(jvp())/block/moe/experts/grouped_matmul_xla/dot_general")
+    expansion = xla_terms.Buffer("fusion.3", 4 * 64 * 128 * 4, "f32[4,64,128]", "fusion",
+                                 "jit(train_step)/jvp()/block/moe/experts/grouped_matmul_xla/select_n")
+    shapes = xla_terms._param_shapes([gate, fused, expansion])
+    assert [xla_terms.term_of(b, shapes) for b in (gate, fused, expansion)] == ["parameters", "gradients", "kernel"]

@@ -148,14 +148,19 @@ def _rank(shape: str) -> int:
 
 def _param_shapes(buffers: list[Buffer]) -> set[str]:
     """A parameter shard's shape (as a parameter, or as its optimizer state: ZeRO-1's shard of
-    the gradient), and one layer's of a stacked parameter ([L, ...] → [...])."""
+    the gradient), one layer's of a stacked parameter ([L, ...] → [...]), and for the experts'
+    gate and up one layer's of the two fused ([E, H, 2I]: the grouped matmul's weight gradient)."""
     shapes = set()
     for b in buffers:
         if b.op_name.startswith("state.params") or (b.op_name.startswith("state.opt_state") and "['" in b.op_name):
             shapes.add(b.shape)
             dims = re.match(r"(\w+)\[(\d+),(.*)\]", b.shape)
             if dims and "['layers/" in b.op_name:
-                shapes.add(f"{dims.group(1)}[{dims.group(3)}]")
+                layer = f"{dims.group(1)}[{dims.group(3)}]"
+                shapes.add(layer)
+                if re.search(r"experts/(gate|up)'\]", b.op_name):
+                    head, last = layer.rsplit(",", 1)
+                    shapes.add(f"{head},{2 * int(last.rstrip(']'))}]")
     return shapes
 
 
