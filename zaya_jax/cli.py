@@ -167,8 +167,11 @@ def _mesh(args: argparse.Namespace, extra: list[str]) -> int:
 
 
 def _bench(args: argparse.Namespace, extra: list[str]) -> int:
-    from zaya_jax.bench.command import bench_command
+    from zaya_jax.bench.command import bench_command, host_command
     from zaya_jax.cluster import startup
+
+    if args.benchmark == "host":
+        return host_command(args, extra)
 
     topology = startup.start(startup.settings_from(args))  # under zaya launch / SLURM: every process measures
     return bench_command(args, extra, devices=None, topology=topology)

@@ -106,6 +106,35 @@ _KIND_PATTERNS: tuple[tuple[str, str], ...] = (
 _EXCLUDED_VARIANTS = re.compile(r"\b(pcie|nvl)\b")
 
 
+def measured(base: HardwareProfile, path: str, dtype: str) -> HardwareProfile:
+    """`base` with the matmul rate (of `dtype`) and memory bandwidth `zaya bench host` measured on
+    this machine: the rate is what its matmuls reach, so the efficiency is 1."""
+    import json
+    import os
+
+    if not os.path.isfile(path):
+        raise ZayaError(f"--host file {path} does not exist; write it with zaya bench host --out={path}")
+    try:
+        with open(path, encoding="utf-8") as f:
+            record = json.load(f)
+    except (OSError, ValueError) as e:
+        raise ZayaError(f"--host file {path} is not readable JSON ({e}); write it again with zaya bench host") from None
+    return measured_from(base, record, dtype, f"--host file {path}")
+
+
+def measured_from(base: HardwareProfile, record: dict, dtype: str, where: str = "the host record") -> HardwareProfile:
+    """`measured` from a record already in hand (`bench/host.measure`'s)."""
+    try:
+        rate, memory = float(record["matmul_tflops"][dtype]), float(record["memory_gb_per_s"])
+    except (KeyError, TypeError, ValueError) as e:
+        raise ZayaError(f"{where} is not a zaya bench host record ({type(e).__name__}: {e}); "
+                        "write it again with zaya bench host") from None
+    if not (rate > 0 and memory > 0):
+        raise ZayaError(f"{where} holds rates that are not positive; write it again with zaya bench host")
+    return dataclasses.replace(base, peak_bf16_tflops=rate, compute_efficiency=1.0, hbm_tb_per_s=memory / 1e3,
+                               nominal=False, source=f"measured by zaya bench host ({record.get('device_kind', '?')}, {dtype})")
+
+
 def profile(name: str) -> HardwareProfile:
     """The profile called `name` (e.g. "mi300x"); ZayaError listing the known names otherwise."""
     key = name.strip().lower() if isinstance(name, str) else name

@@ -1,4 +1,7 @@
-"""`zaya bench collectives`: parse the flags, lay the mesh on the real devices, print the table, write the records.
+"""`zaya bench collectives` and `zaya bench host`: parse the flags, measure, print, write the records.
+
+`collectives` lays the mesh on the real devices and times each collective per axis; `host` times a
+matmul and a memory stream on one device (`bench/host.py`).
 
 Every flag is checked before anything is compiled, on every process (they all hold the same
 arguments, so they all fail alike); only the output folder can differ between hosts, so process 0
@@ -38,7 +41,8 @@ repeat --mesh to add other group sizes to the same file."""
 
 
 def add_parser(jobs) -> None:
-    bench = jobs.add_parser("bench", help="microbenchmarks of this machine: collectives over the mesh axes",
+    bench = jobs.add_parser("bench", help="microbenchmarks of this machine: collectives over the mesh axes, "
+                                          "matmul and memory rates",
                             description="Microbenchmarks of the machine a run trains on.")
     kinds = bench.add_subparsers(dest="benchmark", required=True, metavar="BENCHMARK")
     p = kinds.add_parser(
@@ -57,6 +61,35 @@ def add_parser(jobs) -> None:
     p.add_argument("--iters", type=int, default=20, metavar="N",
                    help="timed calls per op and size; the median is kept (default 20)")
     p.add_argument("--warmup", type=int, default=2, metavar="N", help="untimed calls first (default 2)")
+    h = kinds.add_parser("host", help="this machine's matmul TFLOP/s and memory GB/s (for zaya mesh --host)",
+                         description="Time a square matmul (float32 and bfloat16) and a streaming pass on one "
+                                     "device, and write them for `zaya mesh --host`.")
+    h.add_argument("--out", required=True, metavar="FILE", help="JSON object (written atomically)")
+    h.add_argument("--iters", type=int, default=5, metavar="N", help="timed calls per measurement (default 5)")
+
+
+def host_command(args, extra: list[str]) -> int:
+    if extra:
+        raise ZayaError(f"unrecognized arguments: {' '.join(extra)}")
+    if args.iters < 1:
+        raise ZayaError(f"--iters must be at least 1, got {args.iters}")
+    problem = out_problem(args.out)
+    if problem:
+        raise ZayaError(problem)
+    import json
+
+    import jax
+
+    from zaya_jax.bench.host import measure
+    from zaya_jax.explore.report import write_atomic
+
+    record = measure(jax.devices()[0], args.iters)
+    rates = ", ".join(f"{dtype} {v:.3g}" for dtype, v in record["matmul_tflops"].items())
+    print(f"{record['device_kind']} ({record['platform']}): matmul TFLOP/s {rates}; memory "
+          f"{record['memory_gb_per_s']:.3g} GB/s")
+    write_atomic(args.out, lambda f: f.write(json.dumps(record, indent=1) + "\n"))
+    print(f"wrote {args.out}; use it with zaya mesh --host={args.out}")
+    return 0
 
 
 def parse_ops(text: str) -> tuple[str, ...]:

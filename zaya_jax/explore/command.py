@@ -45,6 +45,8 @@ def add_parser(jobs) -> None:
     p.add_argument("--json", metavar="FILE", help="write every layout's prediction here")
     p.add_argument("--plot", metavar="FILE.png", help="memory vs step time scatter (needs matplotlib)")
     p.add_argument("--collectives", metavar="FILE", help="measured bus bandwidths (JSON records, see below)")
+    p.add_argument("--host", metavar="FILE", help="this machine's measured matmul rate and memory bandwidth "
+                   "(zaya bench host) in place of the profile's")
     p.add_argument("--calibrate", metavar="GPU_CHECK.json",
                    help="measured kernel efficiencies and a step residual from tools/gpu_check.py's report")
     p.add_argument("--validate", action="store_true", help="compile the shown layouts that fit and report XLA's bytes")
@@ -129,6 +131,8 @@ def mesh_command(args, overrides: list[str]) -> int:
     if args.global_batch:
         overrides.append(f"--config.train.global_batch_size={args.global_batch}")
     exp = load_experiment(args.config, overrides)
+    if args.host:
+        hw = hardware.measured(hw, args.host, exp.model.compute_dtype)
     question = Workload.from_experiment(exp, hw, args.nodes, args.gpus_per_node)
     calibrated = None
     if args.calibrate:
