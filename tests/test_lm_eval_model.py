@@ -179,7 +179,9 @@ def test_zaya_eval_refuses_bad_input_in_one_line_before_loading(models, tmp_path
              ([f"--model={ckpt}", "--tasks=no_such_task_anywhere"], "unknown lm-eval task(s): no_such_task_anywhere"),
              ([f"--model={ckpt}", f"--tasks={tmp_path}/missing.yaml"], "missing.yaml does not exist"),
              ([f"--model={ckpt}", f"--tasks={tasks}/zaya_mc.yaml", "--log-samples"], "pass --output too"),
-             ([f"--model={ckpt}", f"--tasks={tasks}/zaya_mc.yaml", "--batch-size=0"], "--batch-size must be at least 1")]
+             ([f"--model={ckpt}", f"--tasks={tasks}/zaya_mc.yaml", "--batch-size=0"], "--batch-size must be at least 1"),
+             ([f"--model={ckpt}", f"--tasks={tasks}/zaya_mc.yaml", f"--output={tmp_path}/no/such/s.json"],
+              "does not exist")]
     for args, message in cases:
         proc = zaya("eval", *args)
         lines = proc.stderr.strip().splitlines()

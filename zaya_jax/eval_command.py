@@ -86,12 +86,15 @@ def _check(args) -> None:
         raise ZayaError(f"--model {args.model} does not exist or is not a directory")
     if args.output and os.path.isdir(args.output):
         raise ZayaError(f"--output {args.output} is a directory; name a file")
+    if args.output:
+        from zaya_jax.explore.report import check_writable
+
+        check_writable(args.output)  # before the evaluation, not after it
 
 
 def _write(path: str, results: dict) -> None:
     from lm_eval.utils import handle_non_serializable
 
-    tmp = path + ".partial"
-    with open(tmp, "w", encoding="utf-8") as f:
-        json.dump(results, f, indent=2, default=handle_non_serializable, ensure_ascii=False)
-    os.replace(tmp, path)
+    from zaya_jax.explore.report import write_atomic
+
+    write_atomic(path, lambda f: json.dump(results, f, indent=2, default=handle_non_serializable, ensure_ascii=False))

@@ -37,9 +37,7 @@ def table(predictions: list[Prediction], xla: dict | None = None) -> str:
         if xla:
             row += _xla_cells(xla.get(describe(p.layout)), p)
         rows.append(row)
-    widths = [max(len(c), *(len(r[i]) for r in rows)) for i, c in enumerate(cols)]
-    line = lambda cells: "  ".join(c.ljust(w) if i in (1, 10) else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths)))
-    return "\n".join([line(cols)] + [line(r) for r in rows])
+    return _aligned(cols, rows, left=(1, 10))
 
 
 def terms_table(predictions: list[Prediction], xla: dict) -> str:
@@ -65,8 +63,13 @@ def terms_table(predictions: list[Prediction], xla: dict) -> str:
         total = sum(predicted.values())
         rows.append([describe(p.layout), "total", f"{total / MIB:.2f}", f"{sum(result['terms'].values()) / MIB:.2f}",
                      f"{sum(result['terms'].values()) / total:.2f}"])
+    return _aligned(cols, rows, left=(0, 1))
+
+
+def _aligned(cols: list[str], rows: list[list[str]], left: tuple[int, ...]) -> str:
+    """A plain-text table: columns as wide as their widest cell, the `left` ones left-aligned."""
     widths = [max(len(c), *(len(r[i]) for r in rows)) if rows else len(c) for i, c in enumerate(cols)]
-    line = lambda cells: "  ".join(c.ljust(w) if i < 2 else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths)))
+    line = lambda cells: "  ".join(c.ljust(w) if i in left else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths)))
     return "\n".join([line(cols)] + [line(r) for r in rows])
 
 
@@ -134,7 +137,7 @@ def write_atomic(path: str, dump, binary: bool = False) -> None:
     check_writable(path)
     tmp = path + ".tmp"
     try:
-        with open(tmp, "wb" if binary else "w") as f:
+        with open(tmp, "wb") if binary else open(tmp, "w", encoding="utf-8") as f:
             dump(f)
         os.replace(tmp, path)
     except OSError as e:

@@ -42,12 +42,18 @@ def token_loss(hidden: jax.Array, embedding: jax.Array, targets: jax.Array, *, c
                matmul_dtype=jnp.float32) -> jax.Array:
     """`chunked_cross_entropy` over the ambient mesh: vocabulary-parallel over `tensor` when the
     rules split the table there, else as GSPMD places it. hidden [B, S, H], targets [B, S]."""
+    ranks = _vocab_ranks(embedding)
+    if ranks == 1:
+        return chunked_cross_entropy(hidden, embedding, targets, chunk_size=chunk_size, matmul_dtype=matmul_dtype)
+    chunk = min(int(chunk_size), embedding.shape[0] // ranks)
+    return _vocab_parallel_ce(chunk, jnp.dtype(matmul_dtype), hidden, embedding, targets.astype(jnp.int32))
+
+
+def _vocab_ranks(embedding: jax.Array) -> int:
+    """How many `tensor` ranks the ambient mesh's rules split the table over (1: not split)."""
     mesh = jax.sharding.get_abstract_mesh()
     split = not mesh.empty and VOCAB_AXIS in entry_axes(partition_spec(("vocab", "embed"), mesh, embedding.shape)[0])
-    if not split or axis_size(VOCAB_AXIS) == 1:
-        return chunked_cross_entropy(hidden, embedding, targets, chunk_size=chunk_size, matmul_dtype=matmul_dtype)
-    chunk = min(int(chunk_size), embedding.shape[0] // axis_size(VOCAB_AXIS))
-    return _vocab_parallel_ce(chunk, jnp.dtype(matmul_dtype), hidden, embedding, targets.astype(jnp.int32))
+    return axis_size(VOCAB_AXIS) if split else 1
 
 
 # The vocabulary-parallel loss differentiates itself: its forward and backward are each one
@@ -63,14 +69,12 @@ def token_scores(hidden: jax.Array, embedding: jax.Array, targets: jax.Array, *,
     """Per token: log p(target) fp32[...] and whether the target's logit is the largest (greedy
     decoding's pick), from the loss's own chunked pass (vocabulary-parallel as `token_loss` is);
     for evaluation, no gradient. hidden [B, S, H], targets [B, S]."""
-    mesh = jax.sharding.get_abstract_mesh()
-    split = not mesh.empty and VOCAB_AXIS in entry_axes(partition_spec(("vocab", "embed"), mesh, embedding.shape)[0])
     targets = targets.astype(jnp.int32)
-    if not split or axis_size(VOCAB_AXIS) == 1:
-        chunk = min(int(chunk_size), embedding.shape[0])
+    ranks = _vocab_ranks(embedding)
+    chunk = min(int(chunk_size), embedding.shape[0] // ranks)
+    if ranks == 1:
         loss, _, gap = _forward(chunk, jnp.dtype(matmul_dtype), None, hidden, embedding, targets, with_max=True)
     else:
-        chunk = min(int(chunk_size), embedding.shape[0] // axis_size(VOCAB_AXIS))
         rows = row_spec()
         forward = functools.partial(_forward, chunk, jnp.dtype(matmul_dtype), VOCAB_AXIS, with_max=True)
         loss, _, gap = schedule_map(forward, in_specs=(P(*rows, None), P(VOCAB_AXIS, None), rows),
