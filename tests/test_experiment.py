@@ -60,6 +60,9 @@ def test_overrides_are_parsed_as_the_key_type():
     (["--config.train.seq_len=100000"], "exceeds model.max_position_embeddings"),
     (["--config.model.vocab_size=100"], "too small for the byte tokenizer"),
     (["--config.train.hardware=tpu9"], "train.hardware must be"),
+    (["--config.eval.prompts=['def f', '']"], "eval.prompts must be a list of non-empty texts"),
+    (["--config.eval.prompts=['x']", "--config.eval.prompt_tokens=128"], "eval.prompt_tokens (128) must be below"),
+    (["--config.eval.task_limit=-1"], "eval.task_limit must be >= 0"),
 ])
 def test_bad_overrides_name_the_problem(overrides, words):
     with pytest.raises(ZayaError, match=None) as err:

@@ -186,3 +186,13 @@ def test_zaya_eval_refuses_bad_input_in_one_line_before_loading(models, tmp_path
         proc = zaya("eval", *args)
         lines = proc.stderr.strip().splitlines()
         assert proc.returncode == 2 and len(lines) == 1 and message in lines[0], (args, proc.stderr)
+
+
+def test_generation_arguments_the_model_cannot_honour_are_one_line_errors(models):
+    from zaya_jax.harness.lm_eval_model import ZayaLM
+
+    lm = ZayaLM(model=str(models[0]), max_length=str(MAX_LENGTH))
+    with pytest.raises(ZayaError, match=r"does not take generation argument\(s\) \['num_beams'\]"):
+        lm._generate_group(["x"], {"until": ["."], "num_beams": 2})
+    with pytest.raises(ZayaError, match="generating 40 new tokens needs a max_length above 40 \\(it is 32\\)"):
+        lm._generate_group(["x"], {"until": ["."], "max_gen_toks": 40})
