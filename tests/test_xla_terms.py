@@ -111,3 +111,18 @@ def test_the_experts_fused_gate_and_up_gradient_is_a_gradient_not_a_kernel_buffe
                                  "jit(train_step)/jvp()/block/moe/experts/grouped_matmul_xla/select_n")
     shapes = xla_terms._param_shapes([gate, fused, expansion])
     assert [xla_terms.term_of(b, shapes) for b in (gate, fused, expansion)] == ["parameters", "gradients", "kernel"]
+
+
+def test_an_fsdp_gathered_experts_weight_gradient_is_a_gradient_not_a_kernel_buffer():
+    """Under FSDP the backward's per-expert weight product is [E, H, 2I] with the whole hidden width
+    (before its reduce-scatter): no parameter shard has that shape, but it is a gradient. The
+    forward's masked [E, rows, K] copies in the same scope stay `kernel`."""
+    gate = xla_terms.Buffer("param.1", 3 * 4 * 48 * 320 * 4, "f32[3,4,48,320]", "parameter",
+                            "state.params['layers/moe/experts/gate']")
+    gathered = xla_terms.Buffer("dot.2", 4 * 192 * 640 * 4, "f32[4,192,640]", "dot",
+                                "jit(train_step)/transpose(jvp())/block/moe/experts/grouped_matmul_xla/dot_general")
+    masked = xla_terms.Buffer("fusion.4", 4 * 512 * 192 * 4, "f32[4,512,192]", "fusion",
+                              "jit(train_step)/jvp()/block/moe/experts/grouped_matmul_xla/select_n")
+    shapes = xla_terms._param_shapes([gate, gathered, masked])
+    assert "f32[4,192,640]" not in shapes
+    assert [xla_terms.term_of(b, shapes) for b in (gathered, masked)] == ["gradients", "kernel"]

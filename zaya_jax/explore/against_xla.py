@@ -19,6 +19,13 @@ from zaya_jax.errors import ZayaError
 from zaya_jax.explore import xla_terms
 
 
+def compiled_overrides(overrides: list[str]) -> list[str]:
+    """The overrides a validated step compiles with (and the prediction it is held against is made
+    for): the experts on the `xla` grouped matmul unless they name one."""
+    kernel = [] if any("model.moe_kernel" in o for o in overrides) else ["--config.model.moe_kernel=xla"]
+    return kernel + list(overrides)
+
+
 def memory_report(program, terms: bool = False) -> dict:
     """Compile the program's train step; its per-device memory analysis and compile time (in all, and
     per phase: trace, lower, XLA compile); with `terms`, its bytes at the peak by explorer term
@@ -42,9 +49,8 @@ def compile_layout(config_path: str, overrides: list[str], layout: dict[str, int
     from zaya_jax.train.program import build_program
 
     mesh = [f"--config.mesh.{axis}={size}" for axis, size in layout.items()]
-    kernel = [] if any("model.moe_kernel" in o for o in overrides) else ["--config.model.moe_kernel=xla"]
     try:
-        program = build_program(load_experiment(config_path, kernel + list(overrides) + mesh), devices)
+        program = build_program(load_experiment(config_path, compiled_overrides(overrides) + mesh), devices)
     except ZayaError as e:
         return {"error": str(e)}
     return memory_report(program, terms)

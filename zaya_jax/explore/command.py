@@ -130,7 +130,12 @@ def mesh_command(args, overrides: list[str]) -> int:
         overrides += [f"--config.train.seq_len={args.seq}", f"--config.model.max_position_embeddings={args.seq}"]
     if args.global_batch:
         overrides.append(f"--config.train.global_batch_size={args.global_batch}")
-    exp = load_experiment(args.config, overrides)
+    if args.validate:  # predicted for the kernels the validation compiles
+        from zaya_jax.explore.against_xla import compiled_overrides
+
+        exp = load_experiment(args.config, compiled_overrides(overrides))
+    else:
+        exp = load_experiment(args.config, overrides)
     if args.host:
         hw = hardware.measured(hw, args.host, exp.model.compute_dtype)
     question = Workload.from_experiment(exp, hw, args.nodes, args.gpus_per_node)

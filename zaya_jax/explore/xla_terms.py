@@ -13,8 +13,10 @@ what made it (`TERM_RULES`, first match):
   update              made outside the differentiated step: the optimizer and balancer update
   stored_activations  made by the forward (`jvp(...)`): what the backward will read
   block_working_set   made by the backward: one block's gradients of its activations
-  kernel              made inside a kernel's CPU-only form (`CPU_ONLY_SCOPES`: the `tiled`
-                      grouped matmul's per-tile copies of rows and weights); no GPU kernel has them
+  kernel              made inside a kernel's CPU-only form (`CPU_ONLY_SCOPES`: XLA:CPU's masked
+                      [experts, rows, K] copies in `ragged_dot`, the `tiled` grouped matmul's
+                      per-tile copies of rows and weights); no GPU kernel has them. The backward's
+                      per-expert weight products there are gradients
   xla_copies          copies XLA added between loop buffers, with no source op
 and `fragmentation`: what XLA reserves beyond the bytes live at the peak (how the temporaries
 pack). The terms sum to XLA's argument + temporary + output − aliased bytes.
@@ -176,6 +178,8 @@ def term_of(b: Buffer, param_shapes: set[str]) -> str:
     if b.shape in param_shapes and (backward or not name):
         return "gradients"
     if any(scope in name for scope in CPU_ONLY_SCOPES) and _rank(b.shape) >= 3:
+        if backward and b.opcode == "dot":
+            return "gradients"  # the experts' per-expert weight gradient, before its reduce-scatter
         return "kernel"  # the product's own [rows, width] operands and result are activations
     if not name:
         return "xla_copies"

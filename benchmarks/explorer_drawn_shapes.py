@@ -1,0 +1,103 @@
+"""The explorer's memory on model shapes it was not fitted to, term by term against XLA's buffers.
+
+For each seed, `zaya_jax.explore.held_out.draw` gives a model shape (hidden, layers, heads and KV
+groups, head width, experts and their width, sequence length, micro-batches, remat policy, hybrid
+pattern) on top of `experiments/tiny_cpu.py`; `--layouts` of its 8-device layouts are picked with
+the same seed, each compiled on 8 fake CPU devices with XLA's buffer dump on, and XLA's bytes at
+the step's peak attributed to the explorer's terms (`explore/xla_terms.py`, as `zaya mesh --validate
+--terms` prints them). Prints one row per layout (XLA / predicted total, the largest misses) and
+the worst cases, and writes JSON and Markdown.
+
+    XLA_FLAGS=--xla_force_host_platform_device_count=8 \\
+        python benchmarks/explorer_drawn_shapes.py --seeds 12 --out=benchmarks/explorer_drawn_shapes.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+CONFIG = os.path.join(ROOT, "experiments", "tiny_cpu.py")
+MIB = 2 ** 20
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--out", required=True, help="JSON path; the Markdown table goes beside it")
+    p.add_argument("--seeds", type=int, default=12, help="shapes drawn (seeds 0 .. N-1)")
+    p.add_argument("--layouts", type=int, default=2, help="8-device layouts compiled per shape")
+    args = p.parse_args(argv)
+
+    import jax
+
+    from zaya_jax import hardware
+    from zaya_jax.experiment import load_experiment
+    from zaya_jax.explore import memory
+    from zaya_jax.explore.against_xla import compile_layout, compiled_overrides
+    from zaya_jax.explore.explorer import candidates
+    from zaya_jax.explore.held_out import draw
+    from zaya_jax.explore.placement import describe
+    from zaya_jax.explore.workload import Workload
+
+    if len(jax.devices()) < 8:
+        sys.exit("run with XLA_FLAGS=--xla_force_host_platform_device_count=8")
+    rows = []
+    for seed in range(args.seeds):
+        overrides = draw(seed)
+        run = Workload.from_experiment(load_experiment(CONFIG, compiled_overrides(overrides)),
+                                       hardware.profile("cpu"), 1, 8)
+        fitting, _ = candidates(run)
+        for sizes in random.Random(seed).sample(fitting, min(args.layouts, len(fitting))):
+            got = compile_layout(CONFIG, overrides, sizes, jax.devices()[:8], terms=True)
+            if "error" in got:
+                print(f"seed {seed} {describe(sizes)}: {got['error']}", flush=True)
+                continue
+            predicted = memory.by_term(memory.predict(run, sizes))
+            row = {"seed": seed, "overrides": overrides, "layout": describe(sizes), "predicted": predicted,
+                   "xla": got["terms"], "ratio": sum(got["terms"].values()) / sum(predicted.values())}
+            rows.append(row)
+            print(f"seed {seed:2d}  {row['layout']:28s} XLA/predicted {row['ratio']:.2f}", flush=True)
+    with open(args.out, "w", encoding="utf-8") as f:
+        json.dump({"device": "8 fake CPU devices", "jax": jax.__version__, "rows": rows}, f, indent=1)
+    markdown = _markdown(rows, jax.__version__)
+    with open(os.path.splitext(args.out)[0] + ".md", "w", encoding="utf-8") as f:
+        f.write(markdown)
+    print(markdown)
+    return 0
+
+
+def _shape(overrides: list[str]) -> str:
+    v = dict(o.removeprefix("--config.").split("=", 1) for o in overrides)
+    return (f"h{v['model.hidden_size']} L{v['model.num_hidden_layers']} {v['model.layer_pattern']} "
+            f"heads {v['model.num_attention_heads']}/{v['model.num_key_value_heads']}x{v['model.head_dim']} "
+            f"E{v['model.num_experts']}x{v['model.moe_intermediate_size']} S{v['train.seq_len']} "
+            f"B{v['train.global_batch_size']}/A{v['train.grad_accum_steps']} remat {v['train.remat']}")
+
+
+def _largest_misses(row: dict, n: int = 3) -> str:
+    diffs = {t: row["xla"][t] - row["predicted"][t] for t in row["xla"]}
+    worst = sorted(diffs, key=lambda t: -abs(diffs[t]))[:n]
+    return ", ".join(f"{t} {diffs[t] / MIB:+.1f}" for t in worst)
+
+
+def _markdown(rows: list[dict], jax_version: str) -> str:
+    ratios = [r["ratio"] for r in rows]
+    lines = [f"# The explorer's memory on drawn shapes (8 fake CPU devices, jax {jax_version})", "",
+             f"{len(rows)} layouts of {len({r['seed'] for r in rows})} drawn shapes; XLA / predicted total "
+             f"{min(ratios):.2f}–{max(ratios):.2f}, within 10%: {sum(abs(x - 1) <= 0.1 for x in ratios)}.", "",
+             "| seed | shape | layout | predicted MiB | XLA MiB | XLA / predicted | largest misses (XLA − predicted, MiB) |",
+             "|---:|---|---|---:|---:|---:|---|"]
+    for r in rows:
+        lines.append(f"| {r['seed']} | {_shape(r['overrides'])} | {r['layout']} | "
+                     f"{sum(r['predicted'].values()) / MIB:.1f} | {sum(r['xla'].values()) / MIB:.1f} | "
+                     f"{r['ratio']:.2f} | {_largest_misses(r)} |")
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

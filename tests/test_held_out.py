@@ -1,0 +1,27 @@
+"""The drawn model shapes the explorer is checked on (`explore/held_out.py`): deterministic in the
+seed, each a valid experiment with at least one 8-device layout, and spread over what they draw."""
+
+from zaya_jax import hardware
+from zaya_jax.experiment import load_experiment
+from zaya_jax.explore.explorer import candidates
+from zaya_jax.explore.held_out import draw
+from zaya_jax.explore.workload import Workload
+from paths import TINY
+
+SEEDS = range(40)
+
+
+def test_each_draw_is_a_valid_run_with_an_8_device_layout():
+    for seed in SEEDS:
+        exp = load_experiment(TINY, draw(seed))
+        fitting, refused = candidates(Workload.from_experiment(exp, hardware.profile("cpu"), 1, 8))
+        assert fitting, (seed, refused.most_common(2))
+
+
+def test_draws_repeat_per_seed_and_cover_what_they_draw():
+    assert draw(7) == draw(7) and draw(7) != draw(8)
+    values = [dict(o.split("=", 1) for o in draw(seed)) for seed in SEEDS]
+    for key, at_least in {"--config.train.remat": 4, "--config.model.layer_pattern": 3,
+                          "--config.train.grad_accum_steps": 2, "--config.model.num_experts": 3,
+                          "--config.model.hidden_size": 5, "--config.train.seq_len": 3}.items():
+        assert len({v[key] for v in values}) >= at_least, key

@@ -1,0 +1,45 @@
+"""Model shapes drawn from a seeded generator: what the explorer is checked on, none of its constants
+fitted to them.
+
+`draw(seed)` gives `zaya train`/`zaya mesh` overrides on top of `experiments/tiny_cpu.py`: hidden
+width, layers, heads and KV groups, head width, experts and their width, sequence length, global
+batch and micro-batches, remat policy and the hybrid pattern, each drawn from ranges a CPU compiles
+in seconds. Every draw passes the model's own validation (`config.validate`) and leaves at least one
+8-device layout.
+"""
+
+from __future__ import annotations
+
+import random
+
+REMAT = ("none", "full", "dots", "moe")
+PATTERNS = ("C", "C", "LC", "CL")  # CCA-only twice as often: the released models are
+
+
+def draw(seed: int) -> list[str]:
+    """One drawn shape as `--config.KEY=VALUE` overrides (deterministic in `seed`)."""
+    rng = random.Random(seed)
+    head_dim = rng.choice((16, 32))
+    heads = rng.choice((2, 4, 8))
+    kv = rng.choice([k for k in (1, 2, 4) if heads % k == 0 and (k * head_dim) % 2 == 0])
+    pattern = rng.choice(PATTERNS)
+    layers = len(pattern) * rng.choice((1, 2)) if len(pattern) > 1 else rng.choice((1, 2, 3, 4))
+    seq = rng.choice((64, 128, 256))
+    accum = rng.choice((1, 1, 2))
+    values = {
+        "model.hidden_size": 32 * rng.randint(3, 8),
+        "model.num_hidden_layers": layers,
+        "model.num_attention_heads": heads,
+        "model.num_key_value_heads": kv,
+        "model.head_dim": head_dim,
+        "model.num_experts": rng.choice((4, 8, 16)),
+        "model.moe_intermediate_size": 32 * rng.randint(2, 12),
+        "model.layer_pattern": pattern,
+        "model.max_position_embeddings": seq,
+        "train.seq_len": seq,
+        "train.global_batch_size": 8 * accum * rng.choice((1, 2)),
+        "train.grad_accum_steps": accum,
+        "train.remat": rng.choice(REMAT),
+        "train.scan_unroll": 1,
+    }
+    return [f"--config.{key}={value}" for key, value in values.items()]
