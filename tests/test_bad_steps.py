@@ -2,12 +2,14 @@
 step keeping the state of a skipped step bit for bit, and the fault drills that inject them."""
 
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from zaya_jax.drills import Drills, parse
+from zaya_jax.drills import Drills, check_job, parse
 from zaya_jax.errors import ZayaError
 from zaya_jax.experiment import load_experiment
 from zaya_jax.train import step_guard
@@ -95,14 +97,28 @@ def test_drills_parse_and_act_on_their_process_step_and_attempt_only():
 
 @pytest.mark.parametrize("text,needle", [
     ("explode:step=1", "the kind must be one of hang, nan, kill, crash"),
-    ("hang:when=3", "unknown key 'when'"),
+    ("hang:when=3", "'when' is not a key of a hang drill; its keys are process, step, attempt, sec"),
+    ("kill:step=3,sec=5", "'sec' is not a key of a kill drill; its keys are process, step, attempt"),
+    ("hang:step=3,steps=2", "'steps' is not a key of a hang drill"),
     ("nan:step=x", "step='x' is not a number"),
     ("nan:step=0", "step and steps >= 1"),
-    ("hang:process=-1", "process, attempt and sec must be >= 0"),
+    ("hang:process=-1", "process, attempt and sec must be finite and >= 0"),
+    ("hang:sec=inf", "sec must be finite"),
+    ("hang:sec=nan", "sec must be finite"),
 ])
 def test_bad_drills_are_one_line_errors(text, needle):
-    with pytest.raises(ZayaError, match=needle):
+    with pytest.raises(ZayaError, match=re.escape(needle)):
         parse(text)
+
+
+@pytest.mark.parametrize("text, processes, steps, needle", [
+    ("kill:process=2,step=3", 2, 10, "aims at process 2, and this job has 2 (0..1)"),
+    ("crash:step=11", 2, 10, "acts at step 11, after the run's last (train.steps = 10)"),
+])
+def test_a_drill_that_cannot_fire_in_its_job_is_refused(text, processes, steps, needle):
+    with pytest.raises(ZayaError, match=re.escape(needle)):
+        check_job(parse(text), processes, steps)
+    check_job(parse(text), processes + 5, steps + 5)  # the same drill fits a larger job
 
 
 @pytest.mark.parametrize("override,needle", [

@@ -147,3 +147,65 @@ def test_a_startup_span_that_rounds_to_before_its_attempts_start_is_still_in_tha
     s = summarize(read_events(str(tmp_path)))
     assert s["attempts"] == 1 and s["lost_sec"]["startup"] == pytest.approx(3.0)
     assert s["lost_sec"]["untracked"] == pytest.approx(0.0, abs=1e-3)
+
+
+def test_what_a_failed_attempt_ran_after_its_last_span_is_discarded_not_restart_time():
+    """Killed at 29 s (the supervisor saw it then) with steps 20..29 unlogged: those 8 s of steps are
+    thrown away by the restart from step 20's checkpoint; only 29 → 35 s is the restart's."""
+    events = [_point("start", 0.0, attempt=0), _span("steps", 20.0, 20.0, first=0, last=20, bad=0),
+              _span("checkpoint", 21.0, 1.0, step=20),
+              _point("start", 35.0, attempt=1, cause="process 1 was killed by SIGKILL (137)", failed_at=29.0),
+              _span("restore", 36.0, 1.0, step=20), _span("steps", 46.0, 10.0, first=20, last=30, bad=0),
+              _point("end", 46.0, step=30)]
+    s = summarize(events)
+    assert _bucket_total(s) == pytest.approx(46.0)
+    assert s["lost_sec"]["discarded"] == pytest.approx(8.0)
+    assert s["lost_sec"]["restart"] == pytest.approx(6.0)
+    assert s["productive_sec"] == pytest.approx(30.0)
+
+
+def test_waiting_for_the_other_processes_compile_is_its_own_bucket():
+    events = [_point("start", 0.0, attempt=0), _span("compile", 3.2, 3.2, cache_hit=True),
+              _span("compile_wait", 20.0, 16.8), _span("steps", 30.0, 10.0, first=0, last=10, bad=0),
+              _point("end", 30.0, step=10)]
+    s = summarize(events)
+    assert (s["lost_sec"]["compile"], s["lost_sec"]["compile_wait"]) == pytest.approx((3.2, 16.8))
+
+
+@pytest.mark.parametrize("damage, where", [
+    (b"\xff\xfe\x00binary garbage\n", 2), (b"[1, 2, 3]\n", 2), (b'{"event": "steps", "sec": 1.0}\n', 2),
+    (b"plain text from another program\n", 2), (b'{"event": "steps", "time": NaN, "sec": 1}\n', 2),
+    (b'{"event": "steps", "time": 5.0, "sec": 1.0}\n', 2), (b'{"event": "start", "time": 1.0, "attempt": "x"}\n', 2),
+], ids=["binary", "not an object", "no time", "plain text", "nan time", "steps without their range",
+        "attempt not a number"])
+def test_zaya_report_skips_and_counts_damaged_lines(tmp_path, capsys, damage, where):
+    log = EventLog(str(tmp_path))
+    log.write("start", at=0.0, attempt=0)
+    with open(log.path, "ab") as f:
+        f.write(damage)
+    log.write("steps", at=10.0, sec=10.0, first=0, last=10, bad=0)
+    log.write("end", at=10.0, step=10)
+    assert cli.main(["report", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert f"skipped 1 unreadable line(s) of events.jsonl (line {where})" in out
+    assert cli.main(["report", "--json", str(tmp_path)]) == 0
+    summary = json.loads(capsys.readouterr().out)
+    assert summary["unreadable_lines"] == [where] and summary["productive_sec"] == pytest.approx(10.0)
+
+
+@pytest.mark.parametrize("content, needle", [
+    (b"\xff\xfe\x00binary garbage\n", "has no readable event (1 damaged line(s))"),
+    (b'{"event": "start"}\n[1]\n', "has no readable event (2 damaged line(s))"),
+    (b"", "has no readable event; it is not the event log of a run"),
+], ids=["binary", "no time, not an object", "empty"])
+def test_zaya_report_on_a_log_with_nothing_readable_is_one_line_and_exit_2(tmp_path, capsys, content, needle):
+    (tmp_path / "events.jsonl").write_bytes(content)
+    assert cli.main(["report", str(tmp_path)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("zaya: error: ") and needle in err[0]
+
+
+def test_zaya_report_on_an_event_log_that_is_a_directory_is_one_line_and_exit_2(tmp_path, capsys):
+    (tmp_path / "events.jsonl").mkdir()
+    assert cli.main(["report", str(tmp_path)]) == 2
+    assert "events.jsonl is not a file" in capsys.readouterr().err

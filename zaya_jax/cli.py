@@ -33,8 +33,19 @@ def _size(text: str) -> int:
     return value
 
 
+class OneLineParser(argparse.ArgumentParser):
+    """argparse with every refusal as one `zaya: error: ...` line and exit status 2, as every other
+    refusal of the CLI (argparse's own prints its usage block first); its subcommands' parsers are
+    of this class too (argparse makes them with the parent's class)."""
+
+    def error(self, message: str):
+        command = self.prog.removeprefix("zaya").strip()
+        print(f"zaya: error: {command + ': ' if command else ''}{message} (see {self.prog} --help)", file=sys.stderr)
+        sys.exit(2)
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="zaya", description="zaya-jax: the ZAYA1 training stack on JAX. Each subcommand has its own --help.")
+    parser = OneLineParser(prog="zaya", description="zaya-jax: the ZAYA1 training stack on JAX. Each subcommand has its own --help.")
     jobs = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     convert = jobs.add_parser("convert", help="convert checkpoints between Hugging Face and zaya-jax (Orbax)")
@@ -144,17 +155,21 @@ def _report(args: argparse.Namespace, extra: list[str]) -> int:
     import json
 
     from zaya_jax.train import goodput
-    from zaya_jax.train.events import read_events
+    from zaya_jax.train.events import read_log
 
     if extra:
         raise ZayaError(f"unrecognized arguments: {' '.join(extra)}")
-    events = read_events(args.workdir)
-    summary = goodput.summarize(events)
+    events, skipped = read_log(args.workdir)
+    summary = goodput.summarize(events) | {"unreadable_lines": skipped}
     if args.json:
         print(json.dumps(summary))
         return 0
     state = "finished" if summary["finished"] else "not finished (running, stopped or failed)"
     print(f"zaya report: {os.path.abspath(args.workdir)}: {state}")
+    if skipped:
+        shown = ", ".join(map(str, skipped[:10])) + (", ..." if len(skipped) > 10 else "")
+        print(f"  warning: skipped {len(skipped)} unreadable line(s) of events.jsonl (line {shown}); the times "
+              "below leave them out")
     for line in goodput.table(summary) + goodput.incidents(events):
         print(f"  {line}")
     return 0

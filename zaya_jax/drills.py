@@ -17,6 +17,7 @@ restart shows the recovery instead of repeating the fault; `attempt=1` drills th
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import signal
 import sys
@@ -28,6 +29,7 @@ from zaya_jax.errors import ZayaError
 
 KINDS = ("hang", "nan", "kill", "crash")
 _KEYS = {"process": int, "step": int, "sec": float, "steps": int, "attempt": int}
+_OWN_KEYS = {"hang": ("sec",), "nan": ("steps",), "kill": (), "crash": ()}  # beyond process, step, attempt
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,17 +53,33 @@ def parse(text: str) -> list[Drill]:
         fields = {}
         for item in filter(None, (i.strip() for i in rest.split(","))):
             key, _, value = item.partition("=")
-            if key.strip() not in _KEYS:
-                raise ZayaError(f"fault.drill {part!r}: unknown key {key.strip()!r}; keys are {', '.join(_KEYS)}")
+            allowed = ("process", "step", "attempt") + _OWN_KEYS[kind.strip()]
+            if key.strip() not in allowed:
+                raise ZayaError(f"fault.drill {part!r}: {key.strip()!r} is not a key of a {kind.strip()} drill; "
+                                f"its keys are {', '.join(allowed)}")
             try:
                 fields[key.strip()] = _KEYS[key.strip()](value)
             except ValueError:
                 raise ZayaError(f"fault.drill {part!r}: {key.strip()}={value!r} is not a number") from None
         drill = Drill(kind.strip(), **fields)
-        if min(drill.process, drill.attempt, drill.sec) < 0 or min(drill.step, drill.steps) < 1:
-            raise ZayaError(f"fault.drill {part!r}: process, attempt and sec must be >= 0, step and steps >= 1")
+        if min(drill.process, drill.attempt) < 0 or min(drill.step, drill.steps) < 1 or \
+                not (math.isfinite(drill.sec) and drill.sec >= 0):
+            raise ZayaError(f"fault.drill {part!r}: process, attempt and sec must be finite and >= 0, step and "
+                            "steps >= 1")
         drills.append(drill)
     return drills
+
+
+def check_job(drills: list[Drill], processes: int, steps: int) -> None:
+    """Refuse a drill that cannot fire in this job: aimed at a process it does not have, or at a
+    step after its last."""
+    for d in drills:
+        if d.process >= processes:
+            raise ZayaError(f"fault.drill {d.kind} aims at process {d.process}, and this job has {processes} "
+                            f"(0..{processes - 1}); it would never fire", every_process=True)
+        if d.step > steps:
+            raise ZayaError(f"fault.drill {d.kind} acts at step {d.step}, after the run's last (train.steps = "
+                            f"{steps}); it would never fire", every_process=True)
 
 
 class Drills:

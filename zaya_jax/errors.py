@@ -21,6 +21,12 @@ class ZayaError(Exception):
         self.every_process = every_process
 
 
+class StorageError(ZayaError):
+    """A write the run needs failed for want of space or permission: restarting would fail the same way."""
+
+    exit_code = exit_codes.STORAGE
+
+
 def quoted(error: BaseException, *, first_line: bool = False, limit: int = 200) -> str:
     """Another library's error, for quoting inside a one-line ZayaError: its message on one line
     (only its first line, if asked), cut to `limit` characters; its type's name if it has none."""

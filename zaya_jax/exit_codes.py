@@ -11,6 +11,8 @@ status means one thing everywhere:
       thread's stack: restart.
 * 4   stopped after `fault.max_consecutive_bad_steps` bad steps (`fault.on_bad_steps=stop`), or
       after `fault.max_rollbacks` rollbacks: never restart, a person decides.
+* 5   storage: a save failed for want of space or permission (a full disk): never restart, it
+      would fill the same disk; the previous checkpoint is kept, free space and start again.
 * 128+N  ended by signal N. 143 (SIGTERM) and 130 (SIGINT) mean "saved a checkpoint and stopped"
       (preemption, the time limit, Ctrl-C): restart only when asked to. Others (137 = SIGKILL,
       134 = SIGABRT) are failures: restart.
@@ -25,9 +27,10 @@ CRASHED = 1
 BAD_INPUT = 2
 HUNG = 3
 BAD_STEPS = 4
+STORAGE = 5
 STOPPED = (128 + signal.SIGTERM, 128 + signal.SIGINT)
 
-NEVER_RESTART = (BAD_INPUT, BAD_STEPS)
+NEVER_RESTART = (BAD_INPUT, BAD_STEPS, STORAGE)
 
 
 def restartable(code: int, restart_stopped: bool = False) -> bool:
@@ -45,5 +48,6 @@ def describe(code: int) -> str:
         name = signal.Signals(code - 128).name
         return f"saved and stopped on {name} ({code})" if code in STOPPED else f"was killed by {name} ({code})"
     words = {OK: "finished", CRASHED: "crashed", BAD_INPUT: "stopped on bad input",
-             HUNG: "hung (no step progress; stacks dumped)", BAD_STEPS: "stopped on repeated bad steps"}
+             HUNG: "hung (no step progress; stacks dumped)", BAD_STEPS: "stopped on repeated bad steps",
+             STORAGE: "could not write its checkpoint (storage full or not writable)"}
     return f"{words.get(code, 'exited')} (status {code})"

@@ -22,6 +22,7 @@ Across nodes the scheduler supervises (SLURM requeue, JobSet restarts): see the 
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import signal
 import socket
@@ -32,7 +33,7 @@ import time
 
 from zaya_jax import exit_codes
 from zaya_jax.cluster.relay import relay
-from zaya_jax.cluster.startup import ENV, NODE_ENV
+from zaya_jax.cluster.startup import ENV, NODE_ENV, check_address
 from zaya_jax.cpu_host import with_device_count
 from zaya_jax.errors import ZayaError
 from zaya_jax.train.events import ATTEMPT_ENV
@@ -153,8 +154,10 @@ def _check(args) -> None:
     for flag, value, low in (("-n", args.nproc, 1), ("--nodes", args.nodes, 1), ("--node-rank", args.node_rank, 0),
                              ("--cpu-devices", args.cpu_devices, 1), ("--grace-s", args.grace_s, 0),
                              ("--max-restarts", args.max_restarts, 0), ("--restart-backoff-s", args.restart_backoff_s, 0)):
-        if value is not None and value < low:
-            raise ZayaError(f"zaya launch {flag} must be at least {low}, got {value}")
+        if value is not None and not (math.isfinite(value) and value >= low):
+            raise ZayaError(f"zaya launch {flag} must be a number at least {low}, got {value}")
+    if args.coordinator_address:
+        check_address(args.coordinator_address, "--coordinator-address")
     if args.node_rank >= args.nodes:
         raise ZayaError(f"--node-rank {args.node_rank} is not below --nodes {args.nodes}; ranks run 0..{args.nodes - 1}")
     if args.nodes > 1 and not args.coordinator_address:

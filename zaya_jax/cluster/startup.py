@@ -61,9 +61,8 @@ def settings_from(args, environ=os.environ, initialization_timeout_s: int = 300,
         return value if value is not None else environ.get(ENV[name]) or None
 
     address = raw("coordinator_address")
-    if address is not None and (":" not in address or not address.rsplit(":", 1)[1].isdigit()):
-        raise ZayaError(f"coordinator address {address!r} is not HOST:PORT (--coordinator-address or "
-                        f"{ENV['coordinator_address']}); e.g. node001:8476")
+    if address is not None:
+        check_address(address, f"--coordinator-address or {ENV['coordinator_address']}")
     num = _int(raw("num_processes"), "num_processes", low=1)
     pid = _int(raw("process_id"), "process_id", low=0)
     if num is not None and pid is not None and pid >= num:
@@ -75,6 +74,35 @@ def settings_from(args, environ=os.environ, initialization_timeout_s: int = 300,
     ids = raw("local_device_ids")
     return Settings(address, num, pid, _ids(ids) if ids is not None else None,
                     int(initialization_timeout_s), int(heartbeat_timeout_s))
+
+
+def check_address(address: str, where: str) -> None:
+    """HOST:PORT with a port a socket can have (1..65535); one line naming `where` it came from."""
+    host, _, port = address.rpartition(":")
+    if not host or not port.isdigit() or not 1 <= int(port) <= 65535:
+        raise ZayaError(f"coordinator address {address!r} is not HOST:PORT with a port in 1..65535 ({where}); "
+                        "e.g. node001:8476")
+
+
+def _check_can_host(address: str) -> None:
+    """Process 0 hosts the coordinator: its host must name this machine and its port be free.
+    JAX aborts the process (a C++ check failure) when either is not so: find out first."""
+    host, port = address.rsplit(":", 1)
+    host = host.strip("[]")
+    try:
+        family, kind, proto, _, bound = socket.getaddrinfo(host, int(port), type=socket.SOCK_STREAM)[0]
+    except OSError as e:
+        raise ZayaError(f"process 0 cannot host the coordinator at {address}: the host {host!r} does not resolve "
+                        f"({e.strerror or e}); give this machine's name or address "
+                        f"(--coordinator-address / {ENV['coordinator_address']})") from None
+    try:
+        with socket.socket(family, kind, proto) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            probe.bind(bound)
+    except OSError as e:
+        raise ZayaError(f"process 0 cannot host the coordinator at {address}: {e.strerror or e} (is {host!r} this "
+                        "machine, and the port free?); give process 0's own address and a free port "
+                        f"(--coordinator-address / {ENV['coordinator_address']})") from None
 
 
 def _int(text, name: str, low: int) -> int | None:
@@ -123,7 +151,9 @@ def start(settings: Settings, environ=os.environ) -> Topology:
         return _exchange_nodes(environ, settings)
     jax.config.update("jax_cpu_collectives_implementation", "gloo")  # CPU processes talk through gloo
     where = settings.coordinator_address or f"the coordinator {cluster} points to"
-    if settings.coordinator_address and settings.process_id not in (None, 0):
+    if settings.coordinator_address and settings.process_id == 0:
+        _check_can_host(settings.coordinator_address)
+    elif settings.coordinator_address and settings.process_id is not None:
         # JAX aborts the process (a C++ check failure) when it cannot register: find out first.
         _wait_for_coordinator(settings.coordinator_address, settings.initialization_timeout_s)
     try:

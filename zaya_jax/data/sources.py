@@ -21,8 +21,8 @@ Forms of `spec`:
   * a directory: every file of the forms above beneath it, recursively, in path order, as one
     concatenated source.
 
-Problems with the files found while opening (missing, empty, unreadable, wrong schema) raise
-`ZayaError` at `open_source`; problems inside one document (a bad JSON line, a non-UTF-8 record)
+Problems with the files found while opening (missing, empty, unreadable, wrong schema, a first
+document that does not read) raise `ZayaError` at `open_source`; problems inside a later document (a bad JSON line, a non-UTF-8 record)
 raise it when that document is read, naming the file and the line or record. The text may be ""
 (callers skip empty documents).
 """
@@ -118,11 +118,11 @@ def _file(path: Path, text_field: str) -> DocumentSource:
         raise ZayaError(f"data file {path} is empty; add documents to it or remove it")
     if suffix == ".txt":
         return _ListSource(str(path), _txt(path))
-    if suffix == ".jsonl":
-        return JsonlSource(path, text_field)
-    if suffix == ".parquet":
-        return ParquetSource(path, text_field)
-    return ArrayRecordSource(path)
+    source = {".jsonl": JsonlSource, ".parquet": ParquetSource}.get(suffix, ArrayRecordSource)
+    opened = source(path, text_field) if source is not ArrayRecordSource else source(path)
+    if len(opened):
+        opened[0]  # a file that is not its format (binary, another schema) fails here, before the run starts
+    return opened
 
 
 # --- .txt -----------------------------------------------------------------------------------

@@ -20,10 +20,15 @@ leftovers are removed when the next run opens the directory.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import errno
 import glob
 import json
+import logging
 import os
+import shutil
+import sys
 import threading
 import time
 from typing import Any
@@ -35,7 +40,7 @@ from zaya_jax.checkpoint import replica_writes
 from zaya_jax.config import COMPUTE_FIELDS, ModelConfig
 from zaya_jax.data.lanes import LaneRows, merge_states
 from zaya_jax.data.pipeline import DataSettings
-from zaya_jax.errors import ZayaError, quoted
+from zaya_jax.errors import StorageError, ZayaError, quoted
 
 _META_VERSION = 2  # 2: block weights stacked on a leading layer axis (the scanned layers)
 
@@ -52,6 +57,7 @@ class RunCheckpoints:
 
     def __init__(self, directory: str, keep: int, async_save: bool = True):
         self.directory = os.path.abspath(directory)
+        quiet_background_failures()
         self._lock = threading.Lock()
         self._in_flight: SaveTiming | None = None
         self._finished: list[SaveTiming] = []
@@ -80,7 +86,8 @@ class RunCheckpoints:
         args = ocp.args.Composite(state=ocp.args.PyTreeSave(state),
                                   data=DataStateSave(iterator.get_state()),
                                   meta=ocp.args.JsonSave({**meta, "step": int(step)}))
-        self._manager.save(step, args=args, force=True)
+        with self._storage_errors(step):
+            self._manager.save(step, args=args, force=True)
         blocking = time.perf_counter() - started
         with self._lock:
             self._in_flight.blocking_sec = blocking
@@ -104,10 +111,31 @@ class RunCheckpoints:
         return done
 
     def wait(self) -> None:
-        self._manager.wait_until_finished()
+        with self._storage_errors(self._in_flight.step if self._in_flight else None):
+            self._manager.wait_until_finished()
+
+    @contextlib.contextmanager
+    def _storage_errors(self, step: int | None):
+        """A save that failed for want of space or permission, as one line (`StorageError`): the
+        path, the step, the free space, and that the previous checkpoint is kept."""
+        try:
+            yield
+        except Exception as e:  # noqa: BLE001 — Orbax raises ValueError, OSError or tensorstore's errors
+            reason = storage_failure(e)
+            if reason is None:
+                raise
+            self._in_flight = None
+            previous = self._manager.latest_step()
+            kept = f"the checkpoint of step {previous} is kept" if previous is not None else "no earlier checkpoint exists"
+            raise StorageError(f"saving the checkpoint of step {step} to {self.directory} failed: {reason} "
+                               f"({free_space(self.directory)} free); {kept}; free space (or choose another "
+                               "--workdir) and start the run again") from None
 
     def close(self) -> None:
-        self._manager.wait_until_finished()
+        try:
+            self.wait()
+        except StorageError:
+            pass  # said already by the save that failed; what is left is the cleanup below
         # Orbax starts a cleanup of stale temporary directories at construction and its close()
         # does not wait for it; a run that stops early (a bad config) would exit under it.
         cleanup = getattr(self._manager, "_cleanup_tmp_directory_future", None)
@@ -193,6 +221,63 @@ class DataStateSave(ocp.args.CheckpointArgs):
 @dataclasses.dataclass
 class DataStateRestore(ocp.args.CheckpointArgs):
     pass
+
+
+_STORAGE_WORDS = {"No space left on device": "no space left on device", "Disk quota exceeded": "disk quota exceeded",
+                  "Permission denied": "permission denied", "Read-only file system": "read-only file system"}
+
+
+class _QuietBackgroundFailures(logging.Filter):
+    """Orbax's background threads report a failed write as a logged traceback, and tensorstore's
+    callbacks then find asyncio's loop closed and print one traceback each: the run says the
+    failure once, in words (`RunCheckpoints._storage_errors`), so these are dropped."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not (record.exc_info and storage_failure(record.exc_info[1])) and \
+            not ("raised an exception" in record.getMessage() and storage_failure(Exception(record.getMessage())))
+
+
+def _is_closed_loop(error: BaseException | None) -> bool:
+    return isinstance(error, RuntimeError) and str(error) == "Event loop is closed"
+
+
+def quiet_background_failures() -> None:
+    """Install the filters above (once): on absl's logger, and on the hooks that print an error no
+    thread handles (tensorstore's callbacks raise into them)."""
+    if getattr(sys.excepthook, "zaya_quiet", False):
+        return
+    logging.getLogger("absl").addFilter(_QuietBackgroundFailures())
+    previous_except, previous_unraisable = sys.excepthook, sys.unraisablehook
+
+    def excepthook(kind, error, trace):
+        if not _is_closed_loop(error):
+            previous_except(kind, error, trace)
+
+    def unraisablehook(unraisable):
+        if not _is_closed_loop(unraisable.exc_value):
+            previous_unraisable(unraisable)
+
+    excepthook.zaya_quiet = True
+    sys.excepthook, sys.unraisablehook = excepthook, unraisablehook
+
+
+def storage_failure(error: BaseException) -> str | None:
+    """Why a write failed, in words, when it is the storage's doing (space, quota, permission)."""
+    text = str(error)
+    if isinstance(error, OSError) and error.errno in (errno.ENOSPC, errno.EDQUOT, errno.EACCES, errno.EROFS):
+        return error.strerror.lower()
+    return next((words for needle, words in _STORAGE_WORDS.items() if needle in text), None)
+
+
+def free_space(path: str) -> str:
+    """The space left on `path`'s filesystem (its nearest existing folder), e.g. '1.2 MiB'."""
+    while path and not os.path.exists(path):
+        path = os.path.dirname(path)
+    try:
+        free = shutil.disk_usage(path or ".").free
+    except OSError:
+        return "unknown space"
+    return f"{free / 2 ** 20:.1f} MiB" if free < 2 ** 30 else f"{free / 2 ** 30:.1f} GiB"
 
 
 def run_meta(exp, abstract_state, process_count: int) -> dict:

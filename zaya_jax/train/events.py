@@ -1,7 +1,7 @@
 """The run's event log, `WORKDIR/events.jsonl`: what happened, when, in every attempt of a run.
 
 One JSON object per line: `{"event": KIND, "time": wall seconds, "process": i, ...}`. Spans
-(`startup`, `init`, `restore`, `data`, `compile`, `steps`, `eval`, `checkpoint`, `model_save`) are
+(`startup`, `init`, `restore`, `data`, `compile`, `compile_wait`, `steps`, `eval`, `checkpoint`, `model_save`) are
 written when they end, with `sec` their length, so each covers `[time - sec, time]`. Points:
 `start` (an attempt began: its number, the previous attempt's cause), `checkpoint_commit` (a
 save's background write finished), `bad_step`, `routing_collapse` and `routing_recovered`
@@ -23,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
+import math
 import os
 import time
 from typing import Iterator
@@ -99,19 +100,63 @@ class EventLog:
 
 
 def read_events(workdir: str) -> list[dict]:
-    """Every event of a run in time order; a torn last line (a process killed mid-write) is skipped."""
+    """Every readable event of a run in time order (`read_log` says what was skipped)."""
+    return read_log(workdir)[0]
+
+
+def read_log(workdir: str) -> tuple[list[dict], list[int]]:
+    """(every readable event of a run in time order, the numbers of the lines that were not one).
+    A line is an event when it is UTF-8 JSON of an object with a string `event` and a finite
+    number `time` (and `sec`, when it has one); a torn last line (a process killed mid-write) is
+    one of the skipped. A log with no event in it is an error, not an empty run."""
     path = os.path.join(workdir, EVENTS_NAME)
     if not os.path.exists(path):
         raise ZayaError(f"{path} does not exist: {workdir} is not a zaya train workdir (or predates the event "
                         "log); give the --workdir of a run")
-    events = []
-    with open(path, encoding="utf-8") as f:
-        for line in f:
-            try:
-                events.append(json.loads(line))
-            except json.JSONDecodeError:
-                continue
-    return sorted(events, key=_begins)
+    if not os.path.isfile(path):
+        raise ZayaError(f"{path} is not a file; the event log of a run is a file of JSON lines")
+    events, skipped = [], []
+    try:
+        with open(path, "rb") as f:
+            for number, raw in enumerate(f, 1):
+                event = _event(raw)
+                if event is not None:
+                    events.append(event)
+                elif raw.strip():
+                    skipped.append(number)
+    except OSError as e:
+        raise ZayaError(f"cannot read {path} ({e.strerror or e})") from None
+    if not events:
+        raise ZayaError(f"{path} has no readable event" + (f" ({len(skipped)} damaged line(s))" if skipped else "") +
+                        "; it is not the event log of a run, or it was overwritten")
+    return sorted(events, key=_begins), skipped
+
+
+def _event(raw: bytes) -> dict | None:
+    try:
+        event = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError):
+        return None
+    if not isinstance(event, dict) or not isinstance(event.get("event"), str):
+        return None
+    if not all(_finite(event.get(key, 0.0)) for key in ("time", "sec")) or "time" not in event:
+        return None
+    if any(key in event and not _whole(event[key]) for key in _WHOLE) or \
+            any(key not in event for key in _NEEDS.get(event["event"], ())):
+        return None
+    return event
+
+
+_WHOLE = ("attempt", "process", "first", "last", "step", "bad")  # counts: integers when present
+_NEEDS = {"steps": ("first", "last", "sec"), "restore": ("step",), "rollback": ("step",)}  # what the ledger reads
+
+
+def _whole(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _finite(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
 # `time` and `sec` are each rounded to 1e-4 s, so a span's computed begin may lie up to 1e-4 s

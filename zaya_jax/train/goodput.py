@@ -6,11 +6,13 @@ the first attempt's start to the last event. Each second goes to exactly one buc
 * `productive` — step time whose updates survive: steps neither skipped as bad nor discarded;
 * lost: `startup` (process start, distributed runtime, program build), `init`, `restore` (and
   rollbacks: reading the checkpoint), `data` (the first batch and the held-out batches),
-  `compile`, `checkpoint` (the loop blocked on saves), `eval`, `model_save` (the final model),
-  `bad_steps` (steps whose update was skipped), `discarded` (steps undone by a restart from an
-  older checkpoint or by a rollback), `hang` (no progress, until the watchdog fired), `restart`
-  (from a failed attempt's last event to the next attempt's start: the steps it ran since its
-  last logged one, the failure, the teardown, the back-off), `untracked` (gaps inside an attempt that no event covers — kept small, and the
+  `compile` (this process's: a step loaded from the compilation cache takes its load time),
+  `compile_wait` (waiting for the job's other processes to finish theirs), `checkpoint` (the loop
+  blocked on saves), `eval`, `model_save` (the final model), `bad_steps` (steps whose update was
+  skipped), `discarded` (steps undone by a restart from an older checkpoint or by a rollback, and
+  what a failed attempt ran after its last logged span until the supervisor saw it fail), `hang`
+  (no progress, until the watchdog fired), `restart` (from the failure, or the failed attempt's
+  last event when no supervisor saw it, to the next attempt's start: the teardown, the back-off), `untracked` (gaps inside an attempt that no event covers — kept small, and the
   measure of how complete this accounting is).
 
 Time between a run that ended (finished, or saved and stopped) and a new start by a person or a
@@ -21,7 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 
-SPANS = ("startup", "init", "restore", "data", "compile", "checkpoint", "eval", "model_save")
+SPANS = ("startup", "init", "restore", "data", "compile", "compile_wait", "checkpoint", "eval", "model_save")
 LOST = (*SPANS, "bad_steps", "discarded", "hang", "restart", "untracked")
 
 
@@ -87,8 +89,13 @@ class Ledger:
             self.first_time = self.end = t
         elif event.get("attempt", 0) > 0 or not self._ended:
             # Supervised restart, or a start after an attempt that never said it ended (a crash a
-            # person restarted): the gap is the failure's cost.
-            self.lost["restart"] += max(t - self.end, 0.0)
+            # person restarted): the gap is the failure's cost. Up to the failure (the supervisor
+            # saw it at `failed_at`) the failed attempt ran on past its last span — steps its
+            # restart throws away — and from there it is the restart's own time.
+            failed_at = event.get("failed_at")
+            failed = min(max(float(failed_at), self.end), t) if _is_time(failed_at) else self.end
+            self.lost["discarded"] += failed - self.end
+            self.lost["restart"] += max(t - failed, 0.0)
             self.counts["restarts"] += 1
         else:
             self.idle += max(t - self.end, 0.0)
@@ -127,6 +134,10 @@ class Ledger:
                 "lost_sec": dict(self.lost), "idle_sec": self.idle, "finished": self.finished, **self.counts}
 
 
+def _is_time(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and value == value and abs(value) < 1e12
+
+
 def summarize(events: list[dict]) -> dict:
     ledger = Ledger()
     for event in events:
@@ -156,12 +167,13 @@ def incidents(events: list[dict], limit: int = 20) -> list[str]:
         if kind == "start" and e.get("attempt", 0) > 0:
             lines.append(f"restart {e['attempt']}: {e.get('cause') or 'cause unknown'}")
         elif kind == "hang":
-            lines.append(f"hang: process {e['process']} made no progress for {e['sec']:.0f}s in {e.get('what')}")
+            lines.append(f"hang: process {e.get('process', '?')} made no progress for {e.get('sec', 0):.0f}s in "
+                         f"{e.get('what')}")
         elif kind == "rollback":
-            lines.append(f"rollback: after step {e['at_step']} to the checkpoint of step {e['step']}")
+            lines.append(f"rollback: after step {e.get('at_step', '?')} to the checkpoint of step {e.get('step', '?')}")
         elif kind == "stop":
-            lines.append(f"stop: after step {e['step']} ({e.get('reason')})")
+            lines.append(f"stop: after step {e.get('step', '?')} ({e.get('reason')})")
         elif kind == "bad_step":
-            lines.append(f"bad step {e['step']}: loss {e.get('loss')}, grad norm {e.get('grad_norm')} "
+            lines.append(f"bad step {e.get('step', '?')}: loss {e.get('loss')}, grad norm {e.get('grad_norm')} "
                          f"({e.get('consecutive')} in a row)")
     return lines[:limit] + ([f"... and {len(lines) - limit} more"] if len(lines) > limit else [])

@@ -29,6 +29,7 @@ import sys
 
 import jax
 
+from zaya_jax import drills
 from zaya_jax.data.pipeline import DataPipeline, DataSettings
 from zaya_jax.data.tokenizer import check_fits, load_tokenizer
 from zaya_jax.errors import ZayaError
@@ -85,13 +86,16 @@ def train(exp: Experiment, workdir: str, devices=None, out=sys.stdout, topology:
     if not primary:
         out = open(os.devnull, "w")  # noqa: SIM115 — process 0 speaks; errors still reach stderr
     tasks = _downstream_tasks(exp)  # a bad task name is refused before the workdir is touched
-    workdir = prepare_workdir(workdir)
-    events, ledger = _event_log(workdir, attempt, primary)
+    drills.check_job(drills.parse(exp.config.fault.drill), jax.process_count(), exp.config.train.steps)
     c = exp.config
-    compile_cache.use(c.train.compile_cache, workdir)  # before anything compiles
-    program = build_program(exp, devices)  # layout errors first: they are cheap to find
+    # Every input is checked before the workdir is touched: layout errors first (cheap to find),
+    # then the data sources and the tokenizer; nothing here compiles.
+    program = build_program(exp, devices)
     eval_size = eval_batch_size(program)
     data = build_data(exp)
+    workdir = prepare_workdir(workdir)
+    events, ledger = _event_log(workdir, attempt, primary)
+    compile_cache.use(c.train.compile_cache, workdir)  # before anything compiles
     iterator = data.train_iterator(program.data_lanes())
     barriers.use_coordination_barriers()  # before Orbax's first barrier
     checkpoints = RunCheckpoints(os.path.join(workdir, "checkpoints"), c.checkpoint.keep, c.checkpoint.async_save)

@@ -76,13 +76,15 @@ class Session:
 
     def _compile(self):
         c, program = self.c, self.program
-        with self.watchdog.allow(0, "compiling"), self.events.span("compile") as span:
-            with compile_cache.Hits() as hits:
-                compiled, self.summary["compile_sec"] = program.compile_train_step()
-            self.summary["compile_cache_hit"] = span["cache_hit"] = hits.count > 0
-            eval_step = program.compile_eval_step(self.eval_batch_size) if c.eval.batches else None
+        with self.watchdog.allow(0, "compiling"):
+            with self.events.span("compile") as span:
+                with compile_cache.Hits() as hits:
+                    compiled, self.summary["compile_sec"] = program.compile_train_step()
+                self.summary["compile_cache_hit"] = span["cache_hit"] = hits.count > 0
+                eval_step = program.compile_eval_step(self.eval_batch_size) if c.eval.batches else None
             # gloo gives up on a collective whose peers arrive 30 s apart: start the first step together.
-            barriers.barrier("compiled", c.distributed.initialization_timeout_s)
+            with self.events.span("compile_wait"):
+                barriers.barrier("compiled", c.distributed.initialization_timeout_s)
         where = compile_cache.directory(c.train.compile_cache, self.workdir)
         source = f"loaded the train step from the compilation cache {where}" if hits.count else \
             f"compiled the train step{'' if where is None else ' (cached in ' + where + ')'}"

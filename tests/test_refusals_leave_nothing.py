@@ -1,0 +1,61 @@
+"""Refusals through the real CLI (issue: hardening): one `zaya: error:` line, exit status 2, and
+nothing new on disk — no workdir, no event log, no compilation cache — for bad data, a bad
+tokenizer, drills that cannot fire, and a process 0 that cannot host the coordinator."""
+
+import socket
+
+import pytest
+
+from paths import TINY
+from zaya_process import zaya, zaya_env
+
+
+def _refused(result, needle: str) -> None:
+    lines = [line for line in result.stderr.strip().splitlines() if line.strip()]
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert lines and lines[-1].startswith("zaya: error: ") and needle in lines[-1], lines[-3:]
+    assert not any("Traceback" in line or "Check failure" in line for line in lines), result.stderr[-2000:]
+
+
+@pytest.fixture
+def inputs(tmp_path):
+    (tmp_path / "binary.jsonl").write_bytes(b"\x00\x01\x02\xffnot json\n")
+    (tmp_path / "empty_dir").mkdir()
+    (tmp_path / "schema.jsonl").write_text('{"content": "text under another field"}\n')
+    return tmp_path
+
+
+@pytest.mark.parametrize("override, needle", [
+    ("--config.data.source={tmp}/missing.jsonl", "does not exist"),
+    ("--config.data.source={tmp}/binary.jsonl", "binary.jsonl line 1 is not valid UTF-8"),
+    ("--config.data.source={tmp}/empty_dir", "has no .txt, .jsonl, .parquet or .arrayrecord files"),
+    ("--config.data.source={tmp}/schema.jsonl", "schema.jsonl line 1"),
+    ("--config.data.tokenizer={tmp}/missing_tokenizer.json", "does not exist"),
+    ("--config.fault.drill=kill:process=1,step=3", "aims at process 1, and this job has 1"),
+    ("--config.fault.drill=crash:step=400", "after the run's last (train.steps = 300)"),
+    ("--config.fault.drill=kill:process=0,step=3,sec=5", "'sec' is not a key of a kill drill"),
+    ("--config.fault.drill=hang:step=3,sec=inf", "must be finite"),
+    ("--config.fault.drill=hang:step=3,sec=nan", "must be finite"),
+], ids=["missing source", "binary file", "empty directory", "another schema", "missing tokenizer",
+        "drill at a missing process", "drill after the last step", "key of another kind", "infinite hang",
+        "nan hang"])
+def test_a_refused_run_writes_nothing(inputs, override, needle):
+    workdir = inputs / "run"
+    result = zaya("train", f"--config={TINY}", f"--workdir={workdir}", override.format(tmp=inputs))
+    _refused(result, needle)
+    assert not workdir.exists()
+
+
+def test_process_0_that_cannot_host_the_coordinator_is_one_line(tmp_path):
+    env = zaya_env(JAX_COORDINATOR_ADDRESS="nohost.invalid:8476", JAX_NUM_PROCESSES="2", JAX_PROCESS_ID="0")
+    result = zaya("train", f"--config={TINY}", f"--workdir={tmp_path / 'run'}", env=env)
+    _refused(result, "process 0 cannot host the coordinator at nohost.invalid:8476: the host 'nohost.invalid' "
+                     "does not resolve")
+    with socket.socket() as taken:  # a port another program holds
+        taken.bind(("localhost", 0))
+        taken.listen()
+        address = f"localhost:{taken.getsockname()[1]}"
+        env = zaya_env(JAX_COORDINATOR_ADDRESS=address, JAX_NUM_PROCESSES="2", JAX_PROCESS_ID="0")
+        result = zaya("train", f"--config={TINY}", f"--workdir={tmp_path / 'run'}", env=env)
+    _refused(result, f"process 0 cannot host the coordinator at {address}")
+    assert not (tmp_path / "run").exists()
