@@ -283,6 +283,24 @@ def test_damaged_checkpoint(converted, tmp_path, capsys):
     assert not os.path.exists(tmp_path / "o") and not os.path.exists(tmp_path / "o.partial")
 
 
+@pytest.mark.parametrize("damage", ["truncated", "emptied manifest"])
+def test_a_damaged_checkpoint_through_the_cli_is_one_line_with_no_background_tracebacks(converted, tmp_path, damage):
+    """Orbax's threads used to follow the error line with `Event loop is closed` tracebacks."""
+    broken = tmp_path / "broken"
+    shutil.copytree(converted, broken)
+    files = [p for p in (broken / "state").rglob("*") if p.is_file() and
+             (p.name == "manifest.ocdbt" if damage == "emptied manifest" else p.parent.name == "d")]
+    assert files
+    for path in files:
+        path.write_bytes(path.read_bytes()[: 10 if damage == "truncated" else 0])
+    result = zaya("convert", "to-hf", f"--ckpt={broken}", f"--out={tmp_path / 'o'}", "--quiet")
+    lines = [line for line in result.stderr.splitlines() if line.strip() and not line.startswith("WARNING:absl")]
+    assert result.returncode == 2 and len(lines) == 1, result.stderr[-3000:]
+    assert lines[0].startswith("zaya: error: ") and str(broken) in lines[0] and "damaged" in lines[0]
+    assert " at 0x" not in lines[0]
+    assert not (tmp_path / "o").exists()
+
+
 def test_bad_shard_size_flag(converted, tmp_path, capsys):
     with pytest.raises(SystemExit) as exit_info:
         main(["convert", "to-hf", f"--ckpt={converted}", f"--out={tmp_path}/o", "--max-shard-size=5XB"])

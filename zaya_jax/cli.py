@@ -238,6 +238,9 @@ COMMANDS = {"train": _train, "report": _report, "launch": _launch, "mesh": _mesh
 
 def main(argv: list[str] | None = None) -> int:
     args, extra = build_parser().parse_known_args(argv)
+    from zaya_jax.checkpoint.background_noise import quiet_background_failures
+
+    quiet_background_failures()  # an error is said once, in words: not again by Orbax's threads
     try:
         return COMMANDS[args.command](args, extra)
     except ZayaError as e:

@@ -5,6 +5,7 @@ The CLI prints its message on one line and exits with status 2; library callers 
 """
 
 import contextlib
+import re
 
 from zaya_jax import exit_codes
 
@@ -27,10 +28,17 @@ class StorageError(ZayaError):
     exit_code = exit_codes.STORAGE
 
 
+_INTERNAL_REPR = re.compile(r"<(?:bound method|function|built-in method|[\w.]+ object)\b[^<>]*>|<[^<>]*\bat 0x[0-9a-fA-F]+>")
+
+
 def quoted(error: BaseException, *, first_line: bool = False, limit: int = 200) -> str:
     """Another library's error, for quoting inside a one-line ZayaError: its message on one line
-    (only its first line, if asked), cut to `limit` characters; its type's name if it has none."""
-    text = str(error).strip()
+    (only its first line, if asked), cut to `limit` characters; its type's name if it has none.
+    Python reprs of internal objects (`<bound method ... at 0x...>`) say nothing to a reader: dropped."""
+    text, before = str(error), None
+    while text != before:  # reprs nest: the innermost go first
+        text, before = _INTERNAL_REPR.sub("", text), text
+    text = text.strip()
     if first_line and text:
         text = text.splitlines()[0]
     text = " ".join(text.split()) or type(error).__name__

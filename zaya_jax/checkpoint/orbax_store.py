@@ -22,7 +22,7 @@ import numpy as np
 
 from zaya_jax.checkpoint import replica_writes
 from zaya_jax.config import ModelConfig
-from zaya_jax.errors import ZayaError
+from zaya_jax.errors import ZayaError, quoted
 from zaya_jax.trees import flatten, nest
 
 FORMAT_VERSION = 1
@@ -107,9 +107,14 @@ def stored_shapes(path: str) -> dict[str, tuple[int, ...]]:
     try:
         with _quiet_absl():
             meta = ocp.PyTreeCheckpointer().metadata(os.path.join(path, _STATE_DIR))
-        tree = meta.item_metadata.tree if hasattr(meta, "item_metadata") else meta.tree
+        item = meta.item_metadata if hasattr(meta, "item_metadata") else meta
     except Exception as e:  # Orbax raises many types for a damaged directory
-        raise ZayaError(f"{path}: cannot read checkpoint metadata ({type(e).__name__}); the checkpoint is damaged") from None
+        raise ZayaError(f"{path}: cannot read checkpoint metadata ({type(e).__name__}: {quoted(e, first_line=True)}); "
+                        "the checkpoint is damaged") from None
+    if getattr(item, "tree", None) is None:  # Orbax logs why and returns nothing
+        raise ZayaError(f"{path}: the checkpoint's tensor metadata does not read (a file under {_STATE_DIR}/ is "
+                        "truncated or missing); the checkpoint is damaged, write it again from its run")
+    tree = item.tree
     return {k: tuple(v.shape) for k, v in flatten(tree.get(ROOT, {})).items()}
 
 
@@ -126,5 +131,6 @@ def load_arrays(path: str, keys: Iterable[str], shapes: Mapping[str, tuple[int, 
                 args=ocp.args.PyTreeRestore(item=item, restore_args=restore_args, partial_restore=True),
             )
     except Exception as e:
-        raise ZayaError(f"{path}: cannot read tensors {keys[0]!r}...: {type(e).__name__}: {str(e)[:200]}") from None
+        raise ZayaError(f"{path}: cannot read tensors {keys[0]!r}...: {type(e).__name__}: {quoted(e, first_line=True)}; "
+                        "the checkpoint is damaged") from None
     return flatten(out[ROOT])

@@ -22,13 +22,10 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import errno
 import glob
 import json
-import logging
 import os
 import shutil
-import sys
 import threading
 import time
 from typing import Any
@@ -37,6 +34,7 @@ import jax
 import orbax.checkpoint as ocp
 
 from zaya_jax.checkpoint import replica_writes
+from zaya_jax.checkpoint.background_noise import quiet_background_failures, storage_failure
 from zaya_jax.config import COMPUTE_FIELDS, ModelConfig
 from zaya_jax.data.lanes import LaneRows, merge_states
 from zaya_jax.data.pipeline import DataSettings
@@ -221,52 +219,6 @@ class DataStateSave(ocp.args.CheckpointArgs):
 @dataclasses.dataclass
 class DataStateRestore(ocp.args.CheckpointArgs):
     pass
-
-
-_STORAGE_WORDS = {"No space left on device": "no space left on device", "Disk quota exceeded": "disk quota exceeded",
-                  "Permission denied": "permission denied", "Read-only file system": "read-only file system"}
-
-
-class _QuietBackgroundFailures(logging.Filter):
-    """Orbax's background threads report a failed write as a logged traceback, and tensorstore's
-    callbacks then find asyncio's loop closed and print one traceback each: the run says the
-    failure once, in words (`RunCheckpoints._storage_errors`), so these are dropped."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        return not (record.exc_info and storage_failure(record.exc_info[1])) and \
-            not ("raised an exception" in record.getMessage() and storage_failure(Exception(record.getMessage())))
-
-
-def _is_closed_loop(error: BaseException | None) -> bool:
-    return isinstance(error, RuntimeError) and str(error) == "Event loop is closed"
-
-
-def quiet_background_failures() -> None:
-    """Install the filters above (once): on absl's logger, and on the hooks that print an error no
-    thread handles (tensorstore's callbacks raise into them)."""
-    if getattr(sys.excepthook, "zaya_quiet", False):
-        return
-    logging.getLogger("absl").addFilter(_QuietBackgroundFailures())
-    previous_except, previous_unraisable = sys.excepthook, sys.unraisablehook
-
-    def excepthook(kind, error, trace):
-        if not _is_closed_loop(error):
-            previous_except(kind, error, trace)
-
-    def unraisablehook(unraisable):
-        if not _is_closed_loop(unraisable.exc_value):
-            previous_unraisable(unraisable)
-
-    excepthook.zaya_quiet = True
-    sys.excepthook, sys.unraisablehook = excepthook, unraisablehook
-
-
-def storage_failure(error: BaseException) -> str | None:
-    """Why a write failed, in words, when it is the storage's doing (space, quota, permission)."""
-    text = str(error)
-    if isinstance(error, OSError) and error.errno in (errno.ENOSPC, errno.EDQUOT, errno.EACCES, errno.EROFS):
-        return error.strerror.lower()
-    return next((words for needle, words in _STORAGE_WORDS.items() if needle in text), None)
 
 
 def free_space(path: str) -> str:

@@ -1,0 +1,60 @@
+"""Orbax's background noise after a failure the run already reports in words.
+
+A failed checkpoint write (a full disk, a damaged file read back) makes Orbax's background threads
+log their own traceback, and tensorstore's callbacks then find asyncio's loop closed and print one
+traceback each — before and after the one line the CLI prints. `quiet_background_failures()`
+drops exactly those: absl records of a storage failure, and `RuntimeError('Event loop is closed')`
+reaching the hooks that print errors no thread handles. `storage_failure` says whether an error is
+the storage's doing (space, quota, permission) and in which words.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import sys
+
+_STORAGE_WORDS = {"No space left on device": "no space left on device", "Disk quota exceeded": "disk quota exceeded",
+                  "Permission denied": "permission denied", "Read-only file system": "read-only file system"}
+
+
+class _QuietStorageFailures(logging.Filter):
+    """Orbax's background threads report a failed write as a logged traceback, and tensorstore's
+    callbacks then find asyncio's loop closed and print one traceback each: the run says the
+    failure once, in words (`RunCheckpoints._storage_errors`), so these are dropped."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not (record.exc_info and storage_failure(record.exc_info[1])) and \
+            not ("raised an exception" in record.getMessage() and storage_failure(Exception(record.getMessage())))
+
+
+def _is_closed_loop(error: BaseException | None) -> bool:
+    return isinstance(error, RuntimeError) and str(error) == "Event loop is closed"
+
+
+def quiet_background_failures() -> None:
+    """Install the filters above (once): on absl's logger, and on the hooks that print an error no
+    thread handles (tensorstore's callbacks raise into them)."""
+    if getattr(sys.excepthook, "zaya_quiet", False):
+        return
+    logging.getLogger("absl").addFilter(_QuietStorageFailures())
+    previous_except, previous_unraisable = sys.excepthook, sys.unraisablehook
+
+    def excepthook(kind, error, trace):
+        if not _is_closed_loop(error):
+            previous_except(kind, error, trace)
+
+    def unraisablehook(unraisable):
+        if not _is_closed_loop(unraisable.exc_value):
+            previous_unraisable(unraisable)
+
+    excepthook.zaya_quiet = True
+    sys.excepthook, sys.unraisablehook = excepthook, unraisablehook
+
+
+def storage_failure(error: BaseException) -> str | None:
+    """Why a write failed, in words, when it is the storage's doing (space, quota, permission)."""
+    text = str(error)
+    if isinstance(error, OSError) and error.errno in (errno.ENOSPC, errno.EDQUOT, errno.EACCES, errno.EROFS):
+        return error.strerror.lower()
+    return next((words for needle, words in _STORAGE_WORDS.items() if needle in text), None)
