@@ -114,8 +114,10 @@ def test_the_attempt_comes_from_the_supervisors_environment():
     a = Attempt.from_environ(env, started_at=45.0)
     assert (a.number, a.cause, a.failed_at, a.started_at) == (2, "process 1 hung", 50.5, 40.0)
     assert Attempt.from_environ({}, started_at=45.0) == Attempt(0, "", None, 45.0)
-    with pytest.raises(Exception, match="ZAYA_ATTEMPT='x' is not a number"):
-        Attempt.from_environ({"ZAYA_ATTEMPT": "x"}, started_at=1.0)
+    for name, text in (("ZAYA_ATTEMPT", "x"), ("ZAYA_ATTEMPT", "-1"), ("ZAYA_FAILED_AT", "nan"),
+                       ("ZAYA_LAUNCHED_AT", "inf")):
+        with pytest.raises(Exception, match=f"{name}='{text}' is not a finite number >= 0"):
+            Attempt.from_environ({name: text}, started_at=1.0)
 
 
 def test_zaya_report_prints_the_table_and_the_incidents(tmp_path, capsys):

@@ -59,3 +59,19 @@ def test_process_0_that_cannot_host_the_coordinator_is_one_line(tmp_path):
         result = zaya("train", f"--config={TINY}", f"--workdir={tmp_path / 'run'}", env=env)
     _refused(result, f"process 0 cannot host the coordinator at {address}")
     assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("override, needle", [
+    ("--config.optim.lr=inf", "optim.lr must be a finite number, got inf"),
+    ("--config.optim.weight_decay=nan", "optim.weight_decay must be a finite number, got nan"),
+    ("--config.fault.spike_sigmas=inf", "fault.spike_sigmas must be a finite number"),
+    ("--config.model.initializer_range=nan", "model.initializer_range must be a finite number"),
+    ("--config.model.initializer_range=-1", "model.initializer_range must be >= 0"),
+    ("--config.model.pad_token_id=-5", "model.pad_token_id must be a token id in 0..271"),
+    ("--config.model.eos_token_id=9999", "model.eos_token_id must be a token id in 0..271"),
+], ids=["infinite lr", "nan weight decay", "infinite spike sigmas", "nan init range", "negative init range",
+        "negative pad id", "eos past the vocabulary"])
+def test_numbers_in_the_config_must_be_finite_and_in_range(tmp_path, override, needle):
+    result = zaya("train", f"--config={TINY}", f"--workdir={tmp_path / 'run'}", override)
+    _refused(result, needle)
+    assert not (tmp_path / "run").exists()

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 from typing import Any
 
@@ -134,8 +135,14 @@ def validate(cfg: ModelConfig) -> None:
             f"model.partial_rotary_factor={cfg.partial_rotary_factor} must be in (0, 1] and give an even "
             f"rotary width (head_dim * factor = {cfg.head_dim * cfg.partial_rotary_factor})"
         )
+    for name, value in dataclasses.asdict(cfg).items():
+        if isinstance(value, float) and not math.isfinite(value):
+            raise ZayaError(f"model.{name} must be a finite number, got {value}")
     if not cfg.rope_theta > 0 or not cfg.rms_norm_eps > 0:
         raise ZayaError("model.rope_theta and model.rms_norm_eps must be positive")
+    if not cfg.initializer_range >= 0:
+        raise ZayaError(f"model.initializer_range must be >= 0, got {cfg.initializer_range}")
+    _validate_token_ids(cfg)
     if cfg.hidden_act != "silu":
         raise ZayaError(f"model.hidden_act must be 'silu' (ZAYA1 experts are SwiGLU), got {cfg.hidden_act!r}")
     if not cfg.tie_word_embeddings:
@@ -145,6 +152,16 @@ def validate(cfg: ModelConfig) -> None:
     for field, kernel in KERNEL_FIELDS.items():
         check_kernel_name(kernel, getattr(cfg, field), where=f"model.{field}")
     _validate_hybrid(cfg)
+
+
+def _validate_token_ids(cfg: ModelConfig) -> None:
+    for name in ("pad_token_id", "bos_token_id", "eos_token_id"):
+        value = getattr(cfg, name)
+        for token in value if isinstance(value, (list, tuple)) else [value]:
+            if token is not None and (isinstance(token, bool) or not isinstance(token, int)
+                                      or not 0 <= token < cfg.vocab_size):
+                raise ZayaError(f"model.{name} must be a token id in 0..{cfg.vocab_size - 1} (model.vocab_size) "
+                                f"or None, got {value!r}")
 
 
 def _validate_hybrid(cfg: ModelConfig) -> None:

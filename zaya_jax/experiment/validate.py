@@ -8,6 +8,7 @@ against the machine, the batch against the data axes) live in `zaya_jax.parallel
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any
 
 import ml_collections
@@ -31,6 +32,9 @@ class Experiment:
 
 
 def validate(values: dict[str, Any], source: str) -> Experiment:
+    infinite = next(_infinite_numbers(values), None)
+    if infinite:
+        raise ZayaError(f"{source}: {infinite[0]} must be a finite number, got {infinite[1]}")
     try:
         model = ModelConfig(**values["model"])
     except ZayaError as e:
@@ -42,6 +46,15 @@ def validate(values: dict[str, Any], source: str) -> Experiment:
             raise ZayaError(f"{source}: {message}")
     config.lock()
     return Experiment(config=config, model=model, source=source)
+
+
+def _infinite_numbers(values: dict, prefix: str = ""):
+    """(key, value) of every NaN or infinite number in the config, nested keys dotted."""
+    for key, value in values.items():
+        if isinstance(value, dict):
+            yield from _infinite_numbers(value, f"{prefix}{key}.")
+        elif isinstance(value, float) and not math.isfinite(value):
+            yield f"{prefix}{key}", value
 
 
 def _at_least(config, key: str, low: int) -> str | None:

@@ -51,10 +51,13 @@ class Attempt:
         def number(name, kind):
             text = environ.get(ATTEMPT_ENV[name], "")
             try:
-                return kind(text) if text else None
+                value = kind(text) if text else None
             except ValueError:
-                raise ZayaError(f"{ATTEMPT_ENV[name]}={text!r} is not a number; it is set by zaya launch, "
-                                "unset it when starting zaya train by hand") from None
+                value = math.nan
+            if value is not None and not (math.isfinite(value) and value >= 0):
+                raise ZayaError(f"{ATTEMPT_ENV[name]}={text!r} is not a finite number >= 0; it is set by zaya launch, "
+                                "unset it when starting zaya train by hand")
+            return value
 
         launched = number("launched_at", float)
         return cls(number("attempt", int) or 0, environ.get(ATTEMPT_ENV["cause"], ""), number("failed_at", float),
