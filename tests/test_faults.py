@@ -102,6 +102,11 @@ def test_a_killed_rank_and_a_hung_rank_are_restarted_and_the_run_ends_bit_exact(
     assert abs(summary["wall_sec"] - outside) <= 0.02 * outside, (summary["wall_sec"], outside)
     assert summary["lost_sec"]["untracked"] <= 0.02 * summary["wall_sec"], _timeline(events, summary)
     assert summary["lost_sec"]["discarded"] > 0 and summary["lost_sec"]["hang"] >= 6
+    # A compile the cache served records its own (load) time; waiting for the peer is compile_wait.
+    compiles = [e for e in events if e["event"] == "compile"]
+    waits = [e for e in events if e["event"] == "compile_wait"]
+    assert len(compiles) == len(waits) == 3 and all(e["cache_hit"] for e in compiles)  # "whole" filled the cache
+    assert all(c["time"] <= w["time"] - w["sec"] + 1e-3 for c, w in zip(compiles, waits)), (compiles, waits)
     assert all(_gone(pid) for pid in _pids(err))  # every process of every attempt
 
 

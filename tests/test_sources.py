@@ -3,6 +3,7 @@
 import json
 import pickle
 import random
+import re
 from concurrent.futures import ThreadPoolExecutor
 
 import pyarrow as pa
@@ -159,16 +160,29 @@ def test_bad_files_fail_at_open(tmp_path, name, data, needle):
 @pytest.mark.parametrize("data,needle", [
     (b'{"text": "a"}\n\n{"text": \n', "line 3 is not valid JSON"),
     (b'{"text": "a"}\n{"body": "b"}\n', "line 2 has no 'text' field"),
-    (b'{"text": "a"}\n["text"]\n', "line 2 is a JSON array, not an object"),
-    (b'{"text": "a"}\nnull\n', "line 2 is a JSON null, not an object"),
     (b'{"text": "a"}\n{"text": 5}\n', "line 2: field 'text' is not a string"),
     (b'{"text": "a"}\n{"text": "\xff"}\n', "line 2 is not valid UTF-8 at byte offset 24"),
 ])
 def test_bad_jsonl_lines_fail_at_read(tmp_path, data, needle):
+    """What is inside a line's braces is checked when the line is read."""
     (tmp_path / "d.jsonl").write_bytes(data)
     source = open_source(str(tmp_path / "d.jsonl"))
     assert source[0] == "a"
     _assert_error(lambda: source[1], needle, str(tmp_path / "d.jsonl"))
+
+
+@pytest.mark.parametrize("data,needle", [
+    (b'{"text": "a"}\n["text"]\n', "line 2 does not start a JSON object (it begins with byte b'['"),
+    (b'{"text": "a"}\nnull\n', "line 2 does not start a JSON object (it begins with byte b'n'"),
+    (b'{"text": "a"}\n\nplain text\n{"text": "b"}\n\x00\x01\n', "line 3 does not start a JSON object (it begins "
+                                                                    "with byte b'p'); each line must be one JSON "
+                                                                    "object (2 such lines)"),
+])
+def test_a_line_that_is_not_an_object_anywhere_in_the_file_fails_at_open(tmp_path, data, needle):
+    (tmp_path / "d.jsonl").write_bytes(data)
+    _assert_error(lambda: open_source(str(tmp_path / "d.jsonl")), re.escape(needle), str(tmp_path / "d.jsonl"))
+    (tmp_path / "ok.jsonl").write_bytes(b'{"text": "a"}\n  \t{"text": "indented"}\n')
+    assert open_source(str(tmp_path / "ok.jsonl"))[1] == "indented"
 
 
 def test_bad_parquet_and_arrayrecord_contents(tmp_path):

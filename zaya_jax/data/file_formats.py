@@ -81,6 +81,7 @@ class JsonlSource(LazyFileSource):
         if not len(self._lines):
             raise ZayaError(f"data file {path} is empty (only blank lines); add one JSON object "
                             "per line or remove it")
+        _check_objects(path, self._offsets, self._lines)
 
     def __len__(self) -> int:
         return len(self._lines)
@@ -168,6 +169,22 @@ def _scan_lines(path: Path) -> tuple[np.ndarray, np.ndarray]:
     offsets = np.concatenate(starts)
     lines = np.flatnonzero(np.concatenate(has_text)) if has_text else np.zeros(0, dtype=np.int64)
     return offsets, lines
+
+
+def _check_objects(path: Path, offsets: np.ndarray, lines: np.ndarray) -> None:
+    """Every non-blank line opens a JSON object: its first byte is `{` (or whitespace before one).
+    One look per line at the scan's offsets, so a line of plain text or binary anywhere in the file
+    is refused when the file is opened, not when training reaches it; what is inside the braces
+    is checked when the line is read."""
+    data = np.memmap(path, dtype=np.uint8, mode="r")
+    firsts = np.asarray(data[offsets[lines]])
+    del data
+    bad = np.flatnonzero((firsts != ord("{")) & _non_blank(firsts))
+    if len(bad):
+        line = int(lines[bad[0]])
+        raise ZayaError(f"data file {path} line {line + 1} does not start a JSON object (it begins with byte "
+                        f"{bytes([int(firsts[bad[0]])])!r}); each line must be one JSON object"
+                        + (f" ({len(bad)} such lines)" if len(bad) > 1 else ""))
 
 
 def _non_blank(block: np.ndarray) -> np.ndarray:

@@ -11,7 +11,8 @@ Forms of `spec`:
   * `*.txt`: one document, or paragraph-grouped chunks of about 64 KiB when above 1 MiB; held in
     memory (put large corpora in one of the formats below).
   * `*.jsonl`: one JSON object per line, the text in `text_field`; blank lines are skipped. Only
-    the byte offset of each line is kept; a line is parsed when it is read.
+    the byte offset of each line is kept; a line that does not open an object (plain text,
+    binary) is refused at open, what is inside the braces is parsed when the line is read.
   * `*.parquet`: one row per document, the text in the string column `text_field` (a null reads as
     ""). Reads load the whole row group holding the row (text column only) and keep the last few in
     a cache, so random access is cheap only with small row groups or locality in the index order.
