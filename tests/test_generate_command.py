@@ -74,7 +74,7 @@ def test_a_missing_model_a_model_without_tokenizer_and_a_mismatched_one(model_di
     arrays = {k: np.asarray(v) for k, v in per_layer(flat_arrays(Zaya(CFG, rngs=nnx.Rngs(0))), CFG.layer_kinds).items()}
     orbax_store.save_groups(bare, CFG, [arrays])
     assert main(["generate", f"--model={bare}", "--prompt=x"]) == 2
-    small = preset("tiny", vocab_size=64, num_hidden_layers=1)
+    small = preset("tiny", vocab_size=64, num_hidden_layers=1, eos_token_id=2)  # ids inside the vocabulary
     narrow = str(tmp_path / "narrow")
     arrays = {k: np.asarray(v) for k, v in per_layer(flat_arrays(Zaya(small, rngs=nnx.Rngs(0))), small.layer_kinds).items()}
     orbax_store.save_groups(narrow, small, [arrays])

@@ -20,7 +20,7 @@ LAYERS = (
     ("api", "checkpoint", "generation", "harness"),
     ("parallel", "data"),
     ("model",),
-    ("config", "cpu_host"),
+    ("config", "cpu_host", "jax_environment"),
     ("kernels",),
     ("hardware", "jax_compat", "drills", "trees", "sizes"),
     ("errors",),

@@ -20,6 +20,7 @@ def _refused(result, needle: str) -> None:
 @pytest.fixture
 def inputs(tmp_path):
     (tmp_path / "binary.jsonl").write_bytes(b"\x00\x01\x02\xffnot json\n")
+    (tmp_path / "late_garbage.jsonl").write_bytes(b'{"text": "fine"}\n' * 50 + b"plain text\n" + b'{"text": "x"}\n')
     (tmp_path / "empty_dir").mkdir()
     (tmp_path / "schema.jsonl").write_text('{"content": "text under another field"}\n')
     return tmp_path
@@ -27,7 +28,8 @@ def inputs(tmp_path):
 
 @pytest.mark.parametrize("override, needle", [
     ("--config.data.source={tmp}/missing.jsonl", "does not exist"),
-    ("--config.data.source={tmp}/binary.jsonl", "binary.jsonl line 1 is not valid UTF-8"),
+    ("--config.data.source={tmp}/binary.jsonl", "binary.jsonl line 1 does not start a JSON object"),
+    ("--config.data.source={tmp}/late_garbage.jsonl", "late_garbage.jsonl line 51 does not start a JSON object"),
     ("--config.data.source={tmp}/empty_dir", "has no .txt, .jsonl, .parquet or .arrayrecord files"),
     ("--config.data.source={tmp}/schema.jsonl", "schema.jsonl line 1"),
     ("--config.data.tokenizer={tmp}/missing_tokenizer.json", "does not exist"),
@@ -36,7 +38,7 @@ def inputs(tmp_path):
     ("--config.fault.drill=kill:process=0,step=3,sec=5", "'sec' is not a key of a kill drill"),
     ("--config.fault.drill=hang:step=3,sec=inf", "must be finite"),
     ("--config.fault.drill=hang:step=3,sec=nan", "must be finite"),
-], ids=["missing source", "binary file", "empty directory", "another schema", "missing tokenizer",
+], ids=["missing source", "binary file", "plain text on line 51", "empty directory", "another schema", "missing tokenizer",
         "drill at a missing process", "drill after the last step", "key of another kind", "infinite hang",
         "nan hang"])
 def test_a_refused_run_writes_nothing(inputs, override, needle):
@@ -73,5 +75,18 @@ def test_process_0_that_cannot_host_the_coordinator_is_one_line(tmp_path):
         "negative pad id", "eos past the vocabulary"])
 def test_numbers_in_the_config_must_be_finite_and_in_range(tmp_path, override, needle):
     result = zaya("train", f"--config={TINY}", f"--workdir={tmp_path / 'run'}", override)
+    _refused(result, needle)
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("env, needle", [
+    ({"XLA_FLAGS": "--xla_backend_optimization_level=0 --no_such_xla_flag=1"},
+     "XLA_FLAGS holds a flag this XLA does not know: --no_such_xla_flag=1"),
+    ({"JAX_PLATFORMS": "no_such_platform"},
+     "JAX_PLATFORMS='no_such_platform': Unable to initialize backend 'no_such_platform'"),
+], ids=["unknown XLA flag", "unknown platform"])
+def test_a_start_up_environment_jax_cannot_start_with_is_one_line(tmp_path, env, needle):
+    """XLA aborts the process (a C++ fatal error) on an unknown flag; JAX raises from deep inside."""
+    result = zaya("train", f"--config={TINY}", f"--workdir={tmp_path / 'run'}", env=zaya_env(**env))
     _refused(result, needle)
     assert not (tmp_path / "run").exists()

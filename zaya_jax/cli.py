@@ -236,12 +236,18 @@ COMMANDS = {"train": _train, "report": _report, "launch": _launch, "mesh": _mesh
             "eval": _eval}
 
 
+STARTS_JAX = ("train", "mesh", "bench", "convert", "generate", "eval")  # `launch`'s children check for themselves
+
+
 def main(argv: list[str] | None = None) -> int:
     args, extra = build_parser().parse_known_args(argv)
     from zaya_jax.checkpoint.background_noise import quiet_background_failures
+    from zaya_jax.jax_environment import backend_failure, check_xla_flags
 
     quiet_background_failures()  # an error is said once, in words: not again by Orbax's threads
     try:
+        if args.command in STARTS_JAX:
+            check_xla_flags()  # XLA aborts the process on a flag it does not know
         return COMMANDS[args.command](args, extra)
     except ZayaError as e:
         print(f"zaya: error: {e}", file=sys.stderr)
@@ -249,7 +255,10 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("zaya: interrupted; no partial output was kept", file=sys.stderr)
         return _failed(130)
-    except BaseException:
+    except BaseException as e:
+        if backend_failure(e):  # a start-up setting, said in words
+            print(f"zaya: error: {backend_failure(e)}", file=sys.stderr)
+            return _failed(2)
         if _one_of_several():
             import traceback
 
