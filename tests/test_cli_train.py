@@ -248,3 +248,17 @@ def test_a_refused_config_answers_before_the_trainer_and_tensorboard_load(tmp_pa
     out = python_probe(probe)
     assert out.stdout.split() == ["2", "False", "False"], out.stderr
     assert "unknown config key (did you mean train.steps?)" in out.stderr
+
+
+def test_the_final_report_of_a_start_that_timed_no_step_says_so_instead_of_nan(tmp_path):
+    """A resume that runs one step times none (the first step of a start is the warm-up)."""
+    import io
+
+    from zaya_jax.train import console
+
+    out = io.StringIO()
+    summary = {"eval_loss": None, "tokens_per_sec": float("nan"), "first_loss": 4.9, "last_loss": 4.9,
+               "wall_sec": 24.0, "model_dir": str(tmp_path / "model")}
+    console.report(out, summary, str(tmp_path))
+    text = out.getvalue()
+    assert "tokens/s not measured (the first step of a start is not timed)" in text and "nan" not in text

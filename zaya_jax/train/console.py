@@ -53,8 +53,10 @@ def banner(out, exp: Experiment, program: Program, data: DataPipeline, workdir: 
 
 def report(out, summary: dict, workdir: str, hf_exportable: bool = True) -> None:
     eval_text = f", held-out {summary['eval_loss']:.4f}" if summary["eval_loss"] is not None else ""
+    tps = summary["tokens_per_sec"]
+    speed = f"{tps:.0f} tokens/s" if tps == tps else "tokens/s not measured (the first step of a start is not timed)"
     print(f"done: loss {summary['first_loss']:.4f} → {summary['last_loss']:.4f}{eval_text}; "
-          f"{summary['tokens_per_sec']:.0f} tokens/s; {summary['wall_sec']:.0f}s wall", file=out)
+          f"{speed}; {summary['wall_sec']:.0f}s wall", file=out)
     if summary.get("goodput"):
         for line in goodput_table(summary["goodput"]):
             print(f"  {line}", file=out)
