@@ -1,4 +1,4 @@
-"""A checkpoint save on a full filesystem (a size-limited tmpfs): one `zaya: error:` line naming the
+"""Writes on a full filesystem. A checkpoint save on a full filesystem (a size-limited tmpfs): one `zaya: error:` line naming the
 path, the step and the free space, exit status 5 (`exit_codes.STORAGE`: not restarted into the same
 full disk), no background-thread tracebacks, the previous checkpoint kept, and the run resumes
 once space is freed."""
@@ -63,3 +63,33 @@ def test_a_save_on_a_full_disk_is_one_line_exit_5_and_keeps_the_previous_checkpo
     again = zaya("train", f"--config={TINY}", f"--workdir={workdir}", "--config.train.steps=20", *RUN)
     assert again.returncode == 0, again.stderr[-2000:]
     assert "20" in os.listdir(workdir / "checkpoints")
+
+
+def test_the_event_log_on_a_full_disk_is_a_storage_error(small_filesystem):
+    from zaya_jax.errors import StorageError
+    from zaya_jax.train.events import EventLog
+
+    log = EventLog(str(small_filesystem))
+    log.write("start", at=0.0, attempt=0)
+    _fill(str(small_filesystem), leave_bytes=0)
+    with pytest.raises(StorageError, match="events.jsonl: no space left on device") as error:
+        for _ in range(10_000):  # the filesystem's last partial block may take a few lines
+            log.write("steps", sec=1.0, first=0, last=1, bad=0, padding="x" * 4000)
+    assert error.value.exit_code == 5
+
+
+def test_a_storage_failure_inside_the_guard_is_one_storage_error_and_others_pass(tmp_path):
+    import errno
+
+    from zaya_jax import storage
+    from zaya_jax.errors import StorageError
+
+    with pytest.raises(StorageError, match=f"writing the final model to {tmp_path} failed: no space left on device "):
+        with storage.guard("the final model", str(tmp_path)):
+            raise ValueError('RESOURCE_EXHAUSTED: Error writing "x": No space left on device [os_error_code=28]')
+    with pytest.raises(StorageError, match="disk quota exceeded"):
+        with storage.guard("the final model", str(tmp_path)):
+            raise OSError(errno.EDQUOT, "Disk quota exceeded")
+    with pytest.raises(ValueError, match="a shape mismatch"):
+        with storage.guard("the final model", str(tmp_path)):
+            raise ValueError("a shape mismatch")

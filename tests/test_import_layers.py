@@ -22,7 +22,7 @@ LAYERS = (
     ("model",),
     ("config", "cpu_host", "jax_environment"),
     ("kernels",),
-    ("hardware", "jax_compat", "drills", "trees", "sizes"),
+    ("hardware", "jax_compat", "drills", "trees", "sizes", "storage"),
     ("errors",),
     ("exit_codes",),
 )

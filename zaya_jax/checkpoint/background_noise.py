@@ -4,19 +4,15 @@ A failed checkpoint write (a full disk, a damaged file read back) makes Orbax's 
 log their own traceback, and tensorstore's callbacks then find asyncio's loop closed and print one
 traceback each — before and after the one line the CLI prints. `quiet_background_failures()`
 drops exactly those: absl records of a storage failure, and `RuntimeError('Event loop is closed')`
-reaching the hooks that print errors no thread handles. `storage_failure` says whether an error is
-the storage's doing (space, quota, permission) and in which words.
+reaching the hooks that print errors no thread handles.
 """
 
 from __future__ import annotations
 
-import errno
 import logging
 import sys
 
-_STORAGE_WORDS = {"No space left on device": "no space left on device", "Disk quota exceeded": "disk quota exceeded",
-                  "Permission denied": "permission denied", "Read-only file system": "read-only file system"}
-
+from zaya_jax.storage import storage_failure
 
 class _QuietStorageFailures(logging.Filter):
     """Orbax's background threads report a failed write as a logged traceback, and tensorstore's
@@ -50,11 +46,3 @@ def quiet_background_failures() -> None:
 
     excepthook.zaya_quiet = True
     sys.excepthook, sys.unraisablehook = excepthook, unraisablehook
-
-
-def storage_failure(error: BaseException) -> str | None:
-    """Why a write failed, in words, when it is the storage's doing (space, quota, permission)."""
-    text = str(error)
-    if isinstance(error, OSError) and error.errno in (errno.ENOSPC, errno.EDQUOT, errno.EACCES, errno.EROFS):
-        return error.strerror.lower()
-    return next((words for needle, words in _STORAGE_WORDS.items() if needle in text), None)

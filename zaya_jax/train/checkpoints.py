@@ -25,7 +25,6 @@ import dataclasses
 import glob
 import json
 import os
-import shutil
 import threading
 import time
 from typing import Any
@@ -34,11 +33,12 @@ import jax
 import orbax.checkpoint as ocp
 
 from zaya_jax.checkpoint import replica_writes
-from zaya_jax.checkpoint.background_noise import quiet_background_failures, storage_failure
+from zaya_jax.checkpoint.background_noise import quiet_background_failures
 from zaya_jax.config import COMPUTE_FIELDS, ModelConfig
 from zaya_jax.data.lanes import LaneRows, merge_states
 from zaya_jax.data.pipeline import DataSettings
 from zaya_jax.errors import StorageError, ZayaError, quoted
+from zaya_jax.storage import free_space, storage_failure
 
 _META_VERSION = 2  # 2: block weights stacked on a leading layer axis (the scanned layers)
 
@@ -219,17 +219,6 @@ class DataStateSave(ocp.args.CheckpointArgs):
 @dataclasses.dataclass
 class DataStateRestore(ocp.args.CheckpointArgs):
     pass
-
-
-def free_space(path: str) -> str:
-    """The space left on `path`'s filesystem (its nearest existing folder), e.g. '1.2 MiB'."""
-    while path and not os.path.exists(path):
-        path = os.path.dirname(path)
-    try:
-        free = shutil.disk_usage(path or ".").free
-    except OSError:
-        return "unknown space"
-    return f"{free / 2 ** 20:.1f} MiB" if free < 2 ** 30 else f"{free / 2 ** 30:.1f} GiB"
 
 
 def run_meta(exp, abstract_state, process_count: int) -> dict:

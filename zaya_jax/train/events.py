@@ -22,13 +22,15 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import errno
 import json
 import math
 import os
 import time
 from typing import Iterator
 
-from zaya_jax.errors import ZayaError
+from zaya_jax.errors import StorageError, ZayaError
+from zaya_jax.storage import free_space
 
 EVENTS_NAME = "events.jsonl"
 ATTEMPT_ENV = {"attempt": "ZAYA_ATTEMPT", "cause": "ZAYA_RESTART_CAUSE", "failed_at": "ZAYA_FAILED_AT",
@@ -90,6 +92,9 @@ class EventLog:
             finally:
                 os.close(fd)
         except OSError as e:
+            if e.errno == errno.ENOSPC:
+                raise StorageError(f"cannot write {self.path}: no space left on device ({free_space(self.path)} "
+                                   "free); free space and start the run again") from None
             raise ZayaError(f"cannot write {self.path} ({e.strerror}); choose a writable --workdir") from None
 
     @contextlib.contextmanager

@@ -9,6 +9,7 @@ import shutil
 
 import jax
 
+from zaya_jax import storage
 from zaya_jax.data.tokenizer import copy_hf_files, resolve_spec
 from zaya_jax.model import layer_stack
 from zaya_jax.train import barriers
@@ -35,9 +36,10 @@ def save_model(program: Program, state, path: str) -> None:
     tokenizer = program.exp.config.data.tokenizer
     timeout = program.exp.config.distributed.initialization_timeout_s
     _on_process_zero(lambda: shutil.rmtree(tmp, ignore_errors=True), "model_clear", timeout)
-    orbax_store.save_groups(tmp, program.modeldef.cfg, groups())
-    _on_process_zero(lambda: (write_tokenizer(tokenizer, tmp), shutil.rmtree(path, ignore_errors=True),
-                              os.replace(tmp, path)), "model_done", timeout)
+    with storage.guard("the final model", tmp):  # the run's checkpoints stay; `zaya train` again exports it
+        orbax_store.save_groups(tmp, program.modeldef.cfg, groups())
+        _on_process_zero(lambda: (write_tokenizer(tokenizer, tmp), shutil.rmtree(path, ignore_errors=True),
+                                  os.replace(tmp, path)), "model_done", timeout)
 
 
 def write_tokenizer(spec: str, folder: str) -> None:
