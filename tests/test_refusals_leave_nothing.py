@@ -2,6 +2,7 @@
 nothing new on disk — no workdir, no event log, no compilation cache — for bad data, a bad
 tokenizer, drills that cannot fire, and a process 0 that cannot host the coordinator."""
 
+import os
 import socket
 
 import pytest
@@ -90,3 +91,20 @@ def test_a_start_up_environment_jax_cannot_start_with_is_one_line(tmp_path, env,
     result = zaya("train", f"--config={TINY}", f"--workdir={tmp_path / 'run'}", env=zaya_env(**env))
     _refused(result, needle)
     assert not (tmp_path / "run").exists()
+
+
+def _listing(path):
+    return sorted((root, tuple(sorted(files))) for root, _, files in os.walk(path))
+
+
+def test_a_resume_this_run_cannot_make_is_refused_before_the_workdir_is_written(tmp_path):
+    """A checkpoint of another model: refused before the event log gets a `start`, before compiling."""
+    workdir = tmp_path / "run"
+    first = zaya("train", f"--config={TINY}", f"--workdir={workdir}", "--config.train.steps=1",
+                 "--config.eval.every_steps=0", "--config.train.progress=False", "--config.model.num_hidden_layers=1")
+    assert first.returncode == 0, first.stderr[-2000:]
+    before, log = _listing(workdir), (workdir / "events.jsonl").read_bytes()
+    result = zaya("train", f"--config={TINY}", f"--workdir={workdir}", "--config.train.steps=2",
+                  "--config.eval.every_steps=0", "--config.model.num_hidden_layers=2")
+    _refused(result, "different model")
+    assert _listing(workdir) == before and (workdir / "events.jsonl").read_bytes() == log

@@ -43,6 +43,7 @@ from zaya_jax.train.evaluation import eval_batch_size
 from zaya_jax.train.events import Attempt, EventLog, read_events
 from zaya_jax.train.goodput import Ledger
 from zaya_jax.train.program import build_program
+from zaya_jax.train.resume import check_resumable
 from zaya_jax.train.session import Session
 from zaya_jax.train.watchdog import Watchdog
 
@@ -89,10 +90,12 @@ def train(exp: Experiment, workdir: str, devices=None, out=sys.stdout, topology:
     drills.check_job(drills.parse(exp.config.fault.drill), jax.process_count(), exp.config.train.steps)
     c = exp.config
     # Every input is checked before the workdir is touched: layout errors first (cheap to find),
-    # then the data sources and the tokenizer; nothing here compiles.
+    # then the data sources and the tokenizer, then the checkpoint a resume would read; nothing
+    # here compiles.
     program = build_program(exp, devices)
     eval_size = eval_batch_size(program)
     data = build_data(exp)
+    check_resumable(program, os.path.abspath(workdir))  # a checkpoint this run cannot resume: said first
     workdir = prepare_workdir(workdir)
     events, ledger = _event_log(workdir, attempt, primary)
     compile_cache.use(c.train.compile_cache, workdir)  # before anything compiles

@@ -4,9 +4,12 @@ config and layout, restored onto its mesh, data iterator included), or fresh par
 from __future__ import annotations
 
 import dataclasses
+import os
+
+import jax
 
 from zaya_jax.errors import ZayaError
-from zaya_jax.train.checkpoints import RunCheckpoints, check_compatible
+from zaya_jax.train.checkpoints import RunCheckpoints, check_compatible, run_meta
 from zaya_jax.train.events import EventLog
 from zaya_jax.train.program import Program
 
@@ -18,14 +21,8 @@ def resume_or_init(program: Program, checkpoints: RunCheckpoints, iterator, meta
         with events.span("init"):
             return program.init(), 0
     where = checkpoints.step_dir(step)
-    if not program.exp.config.checkpoint.resume:
-        raise ZayaError(f"{checkpoints.directory} already holds checkpoints (newest: step {step}) and "
-                        "checkpoint.resume is False; use a fresh --workdir, or set checkpoint.resume=True")
     with events.span("restore", step=step):
-        saved = checkpoints.read_meta(step)
-        # Checkpoints from before the bad-step guard hold no guard: restore the rest, start it empty.
-        guarded = any(path.startswith(".guard") for path in saved["state_shapes"])
-        check_compatible(saved, meta if guarded else _without_guard(meta), where)
+        saved, guarded = _checked_meta(program, checkpoints, step, meta)
         same_data = saved["data"] == meta["data"]
         target = program.placed_abstract_state()
         state = checkpoints.restore(step, target if guarded else dataclasses.replace(target, guard=None),
@@ -39,6 +36,34 @@ def resume_or_init(program: Program, checkpoints: RunCheckpoints, iterator, meta
         print("  the data settings changed since that checkpoint: the data pipeline starts from the "
               "beginning of the new settings", file=out, flush=True)
     return state, step
+
+
+def check_resumable(program: Program, workdir: str) -> None:
+    """Before the run writes to its workdir: the newest checkpoint there, if any, is one this run
+    may resume (checkpoint.resume, and the same model, state shapes and seed)."""
+    directory = os.path.join(workdir, "checkpoints")
+    if not os.path.isdir(directory):
+        return
+    checkpoints = RunCheckpoints(directory, keep=1, async_save=False)
+    try:
+        step = checkpoints.latest_step()
+        if step is not None:
+            _checked_meta(program, checkpoints, step, run_meta(program.exp, program.abstract_state(),
+                                                               jax.process_count()))
+    finally:
+        checkpoints.close()
+
+
+def _checked_meta(program: Program, checkpoints: RunCheckpoints, step: int, meta: dict) -> tuple[dict, bool]:
+    """(the checkpoint's metadata, whether it holds the bad-step guard), once it is checked against
+    this run; checkpoints from before the guard are restored without it, the guard starts empty."""
+    if not program.exp.config.checkpoint.resume:
+        raise ZayaError(f"{checkpoints.directory} already holds checkpoints (newest: step {step}) and "
+                        "checkpoint.resume is False; use a fresh --workdir, or set checkpoint.resume=True")
+    saved = checkpoints.read_meta(step)
+    guarded = any(path.startswith(".guard") for path in saved["state_shapes"])
+    check_compatible(saved, meta if guarded else _without_guard(meta), checkpoints.step_dir(step))
+    return saved, guarded
 
 
 def _without_guard(meta: dict) -> dict:
