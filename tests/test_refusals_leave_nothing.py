@@ -98,7 +98,9 @@ def _listing(path):
 
 
 def test_a_resume_this_run_cannot_make_is_refused_before_the_workdir_is_written(tmp_path):
-    """A checkpoint of another model: refused before the event log gets a `start`, before compiling."""
+    """A checkpoint of another model: refused before the event log gets a `start`, before compiling.
+    Then a damaged one (its Orbax manifest emptied), found when its state is read: one line, no
+    background tracebacks, the checkpoints untouched."""
     workdir = tmp_path / "run"
     first = zaya("train", f"--config={TINY}", f"--workdir={workdir}", "--config.train.steps=1",
                  "--config.eval.every_steps=0", "--config.train.progress=False", "--config.model.num_hidden_layers=1")
@@ -108,3 +110,11 @@ def test_a_resume_this_run_cannot_make_is_refused_before_the_workdir_is_written(
                   "--config.eval.every_steps=0", "--config.model.num_hidden_layers=2")
     _refused(result, "different model")
     assert _listing(workdir) == before and (workdir / "events.jsonl").read_bytes() == log
+
+    (workdir / "checkpoints" / "1" / "state" / "manifest.ocdbt").write_bytes(b"")  # emptied by a bad copy
+    before = _listing(workdir / "checkpoints")
+    result = zaya("train", f"--config={TINY}", f"--workdir={workdir}", "--config.train.steps=2",
+                  "--config.eval.every_steps=0", "--config.model.num_hidden_layers=1")
+    _refused(result, "checkpoint " + str(workdir / "checkpoints" / "1") + " could not be read")
+    assert len([line for line in result.stderr.splitlines() if line.strip()]) == 1, result.stderr[-3000:]
+    assert _listing(workdir / "checkpoints") == before  # found when the state is read: nothing in it moved
