@@ -153,14 +153,7 @@ class RunCheckpoints:
             restored = self._manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))
         except Exception as e:  # noqa: BLE001 — any failure here means the checkpoint is unreadable
             raise _damaged(self.step_dir(step), e) from None
-        version = restored.meta.get("version") if isinstance(restored.meta, dict) else None
-        if version == 1:
-            raise ZayaError(f"checkpoint {self.step_dir(step)} was written by an older zaya-jax (one array per "
-                            "layer, before the scanned layers); resume it with that version, or use a fresh --workdir")
-        if version != _META_VERSION:
-            raise ZayaError(f"checkpoint {self.step_dir(step)} has no zaya-jax metadata; it was not written by "
-                            "`zaya train` (or by another version): use a fresh --workdir")
-        return restored.meta
+        return _checked_version(restored.meta, self.step_dir(step))
 
     def restore(self, step: int, abstract_state, iterator: LaneRows | None):
         """The state placed as `abstract_state` says; the iterator is restored in place if given."""
@@ -219,6 +212,37 @@ class DataStateSave(ocp.args.CheckpointArgs):
 @dataclasses.dataclass
 class DataStateRestore(ocp.args.CheckpointArgs):
     pass
+
+
+def _checked_version(meta, where: str) -> dict:
+    version = meta.get("version") if isinstance(meta, dict) else None
+    if version == 1:
+        raise ZayaError(f"checkpoint {where} was written by an older zaya-jax (one array per "
+                        "layer, before the scanned layers); resume it with that version, or use a fresh --workdir")
+    if version != _META_VERSION:
+        raise ZayaError(f"checkpoint {where} has no zaya-jax metadata; it was not written by "
+                        "`zaya train` (or by another version): use a fresh --workdir")
+    return meta
+
+
+def newest_meta(directory: str) -> tuple[int, str, dict] | None:
+    """(step, its folder, its metadata) of the newest finished checkpoint under `directory`, read
+    from the files alone: no Orbax manager, so no barrier between processes (each process reads
+    it for itself, before the job's barriers are set up). None when there is none."""
+    try:
+        steps = [int(name) for name in os.listdir(directory) if name.isdigit()]  # Orbax renames a save when done
+    except OSError:
+        return None
+    if not steps:
+        return None
+    step = max(steps)
+    where = os.path.join(directory, str(step))
+    try:
+        with open(os.path.join(where, "meta", "metadata"), encoding="utf-8") as f:
+            meta = json.load(f)
+    except (OSError, ValueError) as e:
+        raise _damaged(where, e) from None
+    return step, where, _checked_version(meta, where)
 
 
 def run_meta(exp, abstract_state, process_count: int) -> dict:

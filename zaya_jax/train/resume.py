@@ -9,7 +9,7 @@ import os
 import jax
 
 from zaya_jax.errors import ZayaError
-from zaya_jax.train.checkpoints import RunCheckpoints, check_compatible, run_meta
+from zaya_jax.train.checkpoints import RunCheckpoints, check_compatible, newest_meta, run_meta
 from zaya_jax.train.events import EventLog
 from zaya_jax.train.program import Program
 
@@ -40,30 +40,35 @@ def resume_or_init(program: Program, checkpoints: RunCheckpoints, iterator, meta
 
 def check_resumable(program: Program, workdir: str) -> None:
     """Before the run writes to its workdir: the newest checkpoint there, if any, is one this run
-    may resume (checkpoint.resume, and the same model, state shapes and seed)."""
-    directory = os.path.join(workdir, "checkpoints")
-    if not os.path.isdir(directory):
+    may resume (checkpoint.resume, and the same model, state shapes and seed). Read from the
+    files, with no Orbax manager: nothing here waits for the job's other processes."""
+    newest = newest_meta(os.path.join(workdir, "checkpoints"))
+    if newest is None:
         return
-    checkpoints = RunCheckpoints(directory, keep=1, async_save=False)
-    try:
-        step = checkpoints.latest_step()
-        if step is not None:
-            _checked_meta(program, checkpoints, step, run_meta(program.exp, program.abstract_state(),
-                                                               jax.process_count()))
-    finally:
-        checkpoints.close()
+    step, where, saved = newest
+    _refuse_unless_resuming(program, os.path.dirname(where), step)
+    _check(saved, run_meta(program.exp, program.abstract_state(), jax.process_count()), where)
 
 
 def _checked_meta(program: Program, checkpoints: RunCheckpoints, step: int, meta: dict) -> tuple[dict, bool]:
     """(the checkpoint's metadata, whether it holds the bad-step guard), once it is checked against
     this run; checkpoints from before the guard are restored without it, the guard starts empty."""
-    if not program.exp.config.checkpoint.resume:
-        raise ZayaError(f"{checkpoints.directory} already holds checkpoints (newest: step {step}) and "
-                        "checkpoint.resume is False; use a fresh --workdir, or set checkpoint.resume=True")
+    _refuse_unless_resuming(program, checkpoints.directory, step)
     saved = checkpoints.read_meta(step)
+    return saved, _check(saved, meta, checkpoints.step_dir(step))
+
+
+def _check(saved: dict, meta: dict, where: str) -> bool:
+    """Whether the checkpoint holds the bad-step guard, once it is checked against this run."""
     guarded = any(path.startswith(".guard") for path in saved["state_shapes"])
-    check_compatible(saved, meta if guarded else _without_guard(meta), checkpoints.step_dir(step))
-    return saved, guarded
+    check_compatible(saved, meta if guarded else _without_guard(meta), where)
+    return guarded
+
+
+def _refuse_unless_resuming(program: Program, directory: str, step: int) -> None:
+    if not program.exp.config.checkpoint.resume:
+        raise ZayaError(f"{directory} already holds checkpoints (newest: step {step}) and "
+                        "checkpoint.resume is False; use a fresh --workdir, or set checkpoint.resume=True")
 
 
 def _without_guard(meta: dict) -> dict:
