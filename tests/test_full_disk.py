@@ -85,11 +85,11 @@ def test_a_storage_failure_inside_the_guard_is_one_storage_error_and_others_pass
     from zaya_jax.errors import StorageError
 
     with pytest.raises(StorageError, match=f"writing the final model to {tmp_path} failed: no space left on device "):
-        with storage.guard("the final model", str(tmp_path)):
+        with storage.guard(f"writing the final model to {tmp_path}", str(tmp_path)):
             raise ValueError('RESOURCE_EXHAUSTED: Error writing "x": No space left on device [os_error_code=28]')
     with pytest.raises(StorageError, match="disk quota exceeded"):
-        with storage.guard("the final model", str(tmp_path)):
+        with storage.guard(f"writing the final model to {tmp_path}", str(tmp_path)):
             raise OSError(errno.EDQUOT, "Disk quota exceeded")
     with pytest.raises(ValueError, match="a shape mismatch"):
-        with storage.guard("the final model", str(tmp_path)):
+        with storage.guard(f"writing the final model to {tmp_path}", str(tmp_path)):
             raise ValueError("a shape mismatch")

@@ -256,8 +256,8 @@ def main(argv: list[str] | None = None) -> int:
         print("zaya: interrupted; no partial output was kept", file=sys.stderr)
         return _failed(130)
     except BaseException as e:
-        if backend_failure(e):  # a start-up setting, said in words
-            print(f"zaya: error: {backend_failure(e)}", file=sys.stderr)
+        if message := backend_failure(e):  # a start-up setting, said in words
+            print(f"zaya: error: {message}", file=sys.stderr)
             return _failed(2)
         if _one_of_several():
             import traceback

@@ -1,7 +1,7 @@
 """Writes that fail for the storage's reasons (a full disk, a quota, a permission), said in words.
 
 `storage_failure` tells such an error from any other (by its errno, or the words tensorstore and
-Orbax quote); `guard(what, path)` turns one into a `StorageError` (exit status 5: a supervisor does
+Orbax quote); `guard(doing, path)` turns one into a `StorageError` (exit status 5: a supervisor does
 not restart into the same full disk) naming what was being written, where, and the space left.
 """
 
@@ -38,8 +38,9 @@ def free_space(path: str) -> str:
 
 
 @contextlib.contextmanager
-def guard(what: str, path: str):
-    """Inside, a storage failure becomes one `StorageError` line: what, where, the space left."""
+def guard(doing: str, path: str, then=None):
+    """Inside, a storage failure becomes one `StorageError` line: what was `doing` (e.g. 'writing the
+    final model to DIR'), why, the space left on `path`'s filesystem, and `then()` (what is kept)."""
     try:
         yield
     except StorageError:
@@ -48,5 +49,6 @@ def guard(what: str, path: str):
         reason = storage_failure(e)
         if reason is None:
             raise
-        raise StorageError(f"writing {what} to {path} failed: {reason} ({free_space(path)} free); free space "
+        kept = f"{then()}; " if then else ""
+        raise StorageError(f"{doing} failed: {reason} ({free_space(path)} free); {kept}free space "
                            "(or choose another --workdir) and start the run again") from None

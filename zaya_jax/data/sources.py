@@ -119,8 +119,12 @@ def _file(path: Path, text_field: str) -> DocumentSource:
         raise ZayaError(f"data file {path} is empty; add documents to it or remove it")
     if suffix == ".txt":
         return _ListSource(str(path), _txt(path))
-    source = {".jsonl": JsonlSource, ".parquet": ParquetSource}.get(suffix, ArrayRecordSource)
-    opened = source(path, text_field) if source is not ArrayRecordSource else source(path)
+    if suffix == ".jsonl":
+        opened = JsonlSource(path, text_field)
+    elif suffix == ".parquet":
+        opened = ParquetSource(path, text_field)
+    else:
+        opened = ArrayRecordSource(path)
     if len(opened):
         opened[0]  # a file that is not its format (binary, another schema) fails here, before the run starts
     return opened

@@ -117,6 +117,7 @@ def mesh_command(args, overrides: list[str]) -> int:
     from zaya_jax import hardware
     from zaya_jax.experiment import load_experiment
     from zaya_jax.explore import report
+    from zaya_jax.explore.against_xla import compiled_overrides
     from zaya_jax.explore.collectives import Network, load_curves
     from zaya_jax.explore.explorer import explore, fits_nowhere_message
     from zaya_jax.explore.placement import describe
@@ -130,12 +131,8 @@ def mesh_command(args, overrides: list[str]) -> int:
         overrides += [f"--config.train.seq_len={args.seq}", f"--config.model.max_position_embeddings={args.seq}"]
     if args.global_batch:
         overrides.append(f"--config.train.global_batch_size={args.global_batch}")
-    if args.validate:  # predicted for the kernels the validation compiles
-        from zaya_jax.explore.against_xla import compiled_overrides
-
-        exp = load_experiment(args.config, compiled_overrides(overrides))
-    else:
-        exp = load_experiment(args.config, overrides)
+    # Validated, the prediction is made for the kernels the validation compiles.
+    exp = load_experiment(args.config, compiled_overrides(overrides) if args.validate else overrides)
     if args.host:
         hw = hardware.measured(hw, args.host, exp.model.compute_dtype)
     question = Workload.from_experiment(exp, hw, args.nodes, args.gpus_per_node)

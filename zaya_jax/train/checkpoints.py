@@ -32,13 +32,13 @@ from typing import Any
 import jax
 import orbax.checkpoint as ocp
 
+from zaya_jax import storage
 from zaya_jax.checkpoint import replica_writes
 from zaya_jax.checkpoint.background_noise import quiet_background_failures
 from zaya_jax.config import COMPUTE_FIELDS, ModelConfig
 from zaya_jax.data.lanes import LaneRows, merge_states
 from zaya_jax.data.pipeline import DataSettings
 from zaya_jax.errors import StorageError, ZayaError, quoted
-from zaya_jax.storage import free_space, storage_failure
 
 _META_VERSION = 2  # 2: block weights stacked on a leading layer axis (the scanned layers)
 
@@ -114,20 +114,19 @@ class RunCheckpoints:
 
     @contextlib.contextmanager
     def _storage_errors(self, step: int | None):
-        """A save that failed for want of space or permission, as one line (`StorageError`): the
-        path, the step, the free space, and that the previous checkpoint is kept."""
+        """A save that failed for want of space or permission, as one line (`storage.guard`): the
+        step, the path, the free space, and which checkpoint is kept."""
         try:
-            yield
-        except Exception as e:  # noqa: BLE001 — Orbax raises ValueError, OSError or tensorstore's errors
-            reason = storage_failure(e)
-            if reason is None:
-                raise
-            self._in_flight = None
-            previous = self._manager.latest_step()
-            kept = f"the checkpoint of step {previous} is kept" if previous is not None else "no earlier checkpoint exists"
-            raise StorageError(f"saving the checkpoint of step {step} to {self.directory} failed: {reason} "
-                               f"({free_space(self.directory)} free); {kept}; free space (or choose another "
-                               "--workdir) and start the run again") from None
+            with storage.guard(f"saving the checkpoint of step {step} to {self.directory}", self.directory,
+                               then=self._kept):
+                yield
+        except StorageError:
+            self._in_flight = None  # that save is over
+            raise
+
+    def _kept(self) -> str:
+        previous = self._manager.latest_step()
+        return f"the checkpoint of step {previous} is kept" if previous is not None else "no earlier checkpoint exists"
 
     def close(self) -> None:
         try:

@@ -36,7 +36,7 @@ def save_model(program: Program, state, path: str) -> None:
     tokenizer = program.exp.config.data.tokenizer
     timeout = program.exp.config.distributed.initialization_timeout_s
     _on_process_zero(lambda: shutil.rmtree(tmp, ignore_errors=True), "model_clear", timeout)
-    with storage.guard("the final model", tmp):  # the run's checkpoints stay; `zaya train` again exports it
+    with storage.guard(f"writing the final model to {tmp}", tmp):  # the run's checkpoints stay; `zaya train` again exports it
         orbax_store.save_groups(tmp, program.modeldef.cfg, groups())
         _on_process_zero(lambda: (write_tokenizer(tokenizer, tmp), shutil.rmtree(path, ignore_errors=True),
                                   os.replace(tmp, path)), "model_done", timeout)
