@@ -1,6 +1,9 @@
 """The stacked block stack: one scan body whatever the depth, the same numbers as unrolled, layer 0's
 inert EDA scale, and the per-layer interchange form."""
 
+import contextlib
+import io
+
 import jax
 import jax.numpy as jnp
 from jax.extend.core import jaxprs_in_params
@@ -94,3 +97,37 @@ def test_per_layer_form_round_trips_and_has_no_layer_0_eda_scale():
     for key, value in flat_arrays(rebuilt).items():
         np.testing.assert_array_equal(value, flat_arrays(m)[key], err_msg=key)
     np.testing.assert_array_equal(rebuilt(IDS), m(IDS))
+
+
+def _saved_residuals(fn, *args) -> list[tuple[str, str]]:
+    """(shape as f32[...], where it comes from) of each residual JAX saves for fn's backward."""
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        jax.ad_checkpoint.print_saved_residuals(fn, *args)
+    return [tuple(line.split(" ", 1)) for line in out.getvalue().splitlines()]
+
+
+@pytest.mark.parametrize("pattern", ["C", "LC"])
+def test_the_backward_reads_each_layers_weights_from_the_stack_not_a_saved_copy(pattern):
+    """A weight the scan body slices out of its unit's rows is saved for the backward: a copy of
+    every layer's weights. With one layer of a kind per unit the body gets the scan's own slice of
+    the stack, which the backward reads from the stacked parameter itself."""
+    cfg = CFG.replace(num_hidden_layers=4, layer_pattern=pattern)
+    graphdef, params, rest = nnx.split(model(cfg), nnx.Param, ...)
+
+    def loss(params):
+        return jnp.sum(nnx.merge(graphdef, params, rest).hidden_states(IDS, remat="none")[0] ** 2)
+
+    units = cfg.num_hidden_layers // len(pattern)
+    mixers, blocks = set(), set()  # one layer's weight stacked over the units, as a copy would be
+    for path, p in params.flat_state():
+        name = "/".join(map(str, path))
+        if p.get_value().ndim >= 3 and path[0] == "layers":
+            shape = (units, *p.get_value().shape[1:])
+            (mixers if any(k in name for k in ("attn", "linear")) else blocks).add(
+                "f32[" + ",".join(map(str, shape)) + "]")
+    copies = [(shape, why) for shape, why in _saved_residuals(loss, params) if not why.startswith("from the argument")]
+    # One layer of each kind per unit (shapes a block weight also has left out: those it may copy)
+    assert not [c for c in copies if c[0] in mixers - blocks], copies
+    if len(pattern) == 1:
+        assert not [c for c in copies if c[0] in blocks], copies

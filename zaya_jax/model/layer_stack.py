@@ -69,15 +69,15 @@ def run_blocks(blocks: tuple, mixers: Mapping[str, tuple], kinds: str, h: jax.Ar
     units = len(kinds) // len(unit)
     block_def, block_state = blocks
     split = dict(mixers)
-    xs = (_by_unit(block_state, units), {kind: _by_unit(state, units) for kind, (_, state) in split.items()})
+    xs = (_by_unit(block_state, len(unit)), {kind: _by_unit(state, unit.count(kind)) for kind, (_, state) in split.items()})
 
     def body(carry, unit_state):
         (h, router_state), (block_rows, mixer_rows) = carry, unit_state
         seen = dict.fromkeys(split, 0)
         chosen = []
         for j, kind in enumerate(unit):
-            block = nnx.merge(block_def, _row(block_rows, j))
-            mixer = nnx.merge(split[kind][0], _row(mixer_rows[kind], seen[kind]))
+            block = nnx.merge(block_def, _layer(block_rows, j, len(unit)))
+            mixer = nnx.merge(split[kind][0], _layer(mixer_rows[kind], seen[kind], unit.count(kind)))
             seen[kind] += 1
             h, router_state, routing = step(block, mixer, h, router_state)
             chosen.append(routing)
@@ -121,9 +121,19 @@ def repeating_unit(kinds: str) -> str:
     return kinds
 
 
-def _by_unit(state, units: int):
-    """Stacked leaves [n, ...] → [units, n / units, ...] (the layers axis is never split: free)."""
-    return jax.tree.map(lambda x: x.reshape(units, x.shape[0] // units, *x.shape[1:]), state)
+def _by_unit(state, per_unit: int):
+    """Stacked leaves [n, ...] → [n / per_unit, per_unit, ...] (the layers axis is never split: free);
+    unchanged with one layer per unit, so the scan hands the body each layer's own slice of the stack."""
+    if per_unit == 1:
+        return state
+    return jax.tree.map(lambda x: x.reshape(x.shape[0] // per_unit, per_unit, *x.shape[1:]), state)
+
+
+def _layer(rows, j: int, per_unit: int):
+    """The j-th layer of a unit's rows. With one layer per unit the rows are the scan's own slice of
+    the stack, which the backward reads where it lies; a slice taken here would be saved for the
+    backward instead: a copy of every layer's weights that a matmul's backward reads."""
+    return rows if per_unit == 1 else _row(rows, j)
 
 
 def _row(state, i: int):
