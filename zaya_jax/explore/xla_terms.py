@@ -1,9 +1,10 @@
 """XLA's memory at a compiled step's peak, attributed to the explorer's memory terms.
 
 Compiled with XLA's dump on (`dumping`), a step leaves its optimized HLO (every instruction's shape, opcode and
-the JAX op name of the code that made it) and its buffers' live ranges, with the set live at the
-peak (`*after_optimizations-live-range.txt`). Each buffer live at the peak goes to one term, by
-what made it (`TERM_RULES`, first match):
+the JAX op name of the code that made it), its values' live ranges over the schedule and the
+buffer assignment (where each value lies). The peak is the point of the schedule with the most
+bytes in place (`peak_buffers`: every assigned value, a loop's carried values included, aliases
+counted once). Each buffer live there goes to one term, by what made it (`term_of`, first match):
 
   parameters, optimizer, inputs  the step's arguments, by their names (`state.params[...]`, ...)
   gradients           made by the backward (`transpose(...)` in its op name) or carried between
@@ -48,7 +49,9 @@ COLLECTIVES = ("all-gather", "all-to-all", "collective-permute", "all-reduce", "
 _INSTRUCTION = re.compile(r"^\s*(?:ROOT )?%(\S+) = (.+?) ([\w-]+)\(")
 _OP_NAME = re.compile(r'op_name="((?:[^"\\]|\\.)*)"')
 _COPIED = re.compile(r" copy\(%([^)\s,]+)\)")
-_LIVE = re.compile(r"^\s+(\S+)\{[^}]*\}: (\d+) bytes")
+_RANGE = re.compile(r"^\s+(\S+?\{[^}]*\}):(\d+)-(\d+)$")
+_ALLOCATION = re.compile(r"^allocation (\d+):")
+_VALUE = re.compile(r"^\s*value: <\d+ (\S+?)(\{[^}]*\})?( \(phi\))? @\d+> \(size=(\d+),offset=(\d+)\)")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -80,33 +83,110 @@ def total_bytes(compiled) -> int:
     return m.argument_size_in_bytes + m.temp_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes
 
 
-def _dump_files(folder: str) -> tuple[str, str]:
+def _dump_files(folder: str) -> tuple[str, str, str]:
+    """(live ranges, optimized HLO, buffer assignment) of the step itself: the largest module."""
     ranges = sorted(glob.glob(os.path.join(folder, "*after_optimizations-live-range.txt")), key=os.path.getsize)
     if not ranges:
         raise ZayaError("XLA wrote no buffer live ranges for this step (was it loaded from the compilation "
                         "cache?); run without a compilation cache to attribute its memory")
-    live = ranges[-1]  # the step itself: the largest module
-    return live, live.replace("-live-range.txt", ".txt")
+    live = ranges[-1]
+    return live, live.replace("-live-range.txt", ".txt"), live.replace("-live-range.txt", "-buffer-assignment.txt")
 
 
-def peak_buffers(live_range_path: str, hlo_path: str) -> list[Buffer]:
-    """The buffers XLA lists as live at the peak, each with its instruction's shape, opcode and op name."""
+@dataclasses.dataclass(frozen=True)
+class _Value:
+    key: tuple[int, int]  # (allocation, offset): values there at the same time are one buffer's aliases
+    size: int
+    phi: bool  # a loop's carried value: named for the loop, made by whatever flows into it
+
+
+def peak_buffers(live_range_path: str, hlo_path: str, assignment_path: str) -> list[Buffer]:
+    """The buffers live at the step's peak, each with its instruction's shape, opcode and op name.
+
+    The peak is found over every value XLA assigned (the loops' carried values included, which
+    XLA's own peak listing leaves out), a buffer's aliases counted once: at each point of the
+    schedule, the bytes of the distinct (allocation, offset) places holding a live value."""
     instructions = _instructions(hlo_path)
-    buffers, inside = [], False
+    values = _assigned_values(assignment_path)
+    ranges = {name: span for name, span in _live_ranges(live_range_path).items() if name in values}
+    if not ranges:
+        raise ZayaError(f"{live_range_path} and {assignment_path} share no buffers; this XLA writes another format")
+    peak = _peak_time(ranges, values)
+    live: dict[tuple[int, int], str] = {}
+    for name, (start, end) in ranges.items():
+        if start <= peak <= end:
+            place = values[name].key
+            if place not in live or values[name].size > values[live[place]].size:
+                live[place] = name
+    made_by = _makers(values, instructions)
+    return [Buffer(name.split("{")[0], values[name].size, *made_by(name)) for name in live.values()]
+
+
+def _assigned_values(assignment_path: str) -> dict[str, _Value]:
+    """name{shape index} → where XLA put it, from the buffer assignment."""
+    out, allocation = {}, -1
+    with open(assignment_path, encoding="utf-8") as f:
+        for line in f:
+            head = _ALLOCATION.match(line)
+            if head:
+                allocation = int(head.group(1))
+                continue
+            value = _VALUE.match(line)
+            if value:
+                name, index, phi, size, offset = value.groups()
+                out[name + (index or "{}")] = _Value((allocation, int(offset)), int(size), bool(phi))
+    return out
+
+
+def _live_ranges(live_range_path: str) -> dict[str, tuple[int, int]]:
+    out, inside = {}, False
     with open(live_range_path, encoding="utf-8") as f:
         for line in f:
-            if "(peak):" in line:
+            if "BufferLiveRange:" in line:
                 inside = True
-                continue
-            if inside:
-                match = _LIVE.match(line)
-                if not match:
+            elif inside:
+                span = _RANGE.match(line)
+                if not span:
                     break
-                shape, opcode, op_name = instructions.get(match.group(1), ("", "", ""))
-                buffers.append(Buffer(match.group(1), int(match.group(2)), shape, opcode, op_name))
-    if not buffers:
-        raise ZayaError(f"{live_range_path} lists no buffers live at the peak; this XLA writes another format")
-    return buffers
+                out[span.group(1)] = (int(span.group(2)), int(span.group(3)))
+    return out
+
+
+def _peak_time(ranges: dict[str, tuple[int, int]], values: dict[str, _Value]) -> int:
+    """The schedule point with the most bytes live, each place counted once at its largest value."""
+    events = sorted([(start, 1, name) for name, (start, _) in ranges.items()]
+                    + [(end + 1, 0, name) for name, (_, end) in ranges.items()])
+    at_place: dict[tuple[int, int], list[int]] = {}
+    live, best, best_time = 0, -1, 0
+    for i, (time, starts, name) in enumerate(events):
+        value = values[name]
+        sizes = at_place.setdefault(value.key, [])
+        before = max(sizes, default=0)
+        if starts:
+            sizes.append(value.size)
+        else:
+            sizes.remove(value.size)
+        live += max(sizes, default=0) - before
+        if (i + 1 == len(events) or events[i + 1][0] != time) and live > best:
+            best, best_time = live, time
+    return best_time
+
+
+def _makers(values: dict[str, _Value], instructions: dict) -> callable:
+    """value name → (shape, opcode, op name) of the instruction that made it; a loop's carried
+    value takes them from a value XLA placed with it that an instruction made."""
+    by_place = {}
+    for name, value in values.items():
+        info = instructions.get(name.split("{")[0])
+        if not value.phi and info and info[2]:
+            by_place.setdefault((value.key, value.size), info)
+
+    def made_by(name: str) -> tuple[str, str, str]:
+        info = instructions.get(name.split("{")[0], ("", "", ""))
+        value = values[name]
+        return by_place.get((value.key, value.size), info) if value.phi else info
+
+    return made_by
 
 
 def _instructions(hlo_path: str) -> dict[str, tuple[str, str, str]]:
