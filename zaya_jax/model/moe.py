@@ -59,18 +59,26 @@ def by_expert(x, expert, weight, num_experts: int, experts_fn):
 
 def grouped_swiglu(xs, sizes, gate, up, down, backend):
     """down(silu(gate xs) ⊙ up xs) per expert group of the sorted rows xs, fp32 [T, H]; rows past
-    the groups are 0. gate, up [E, H, I], down [E, I, H]: also the per-slice step of the TSP experts
-    ring (any slice of the width)."""
+    the groups are 0. gate, up [E, H, I], down [E, I, H]."""
+    return fused_swiglu(xs, sizes, fuse_gate_up(gate, up), down, backend)
+
+
+def fuse_gate_up(gate, up):
+    """gate and up side by side, [E, H, 2·I]: one grouped matmul for both. Fused here, where each
+    device holds matching gate and up columns (tensor, TSP), not in the stored weight, so Muon keeps
+    orthogonalising gate and up as the separate matrices they are."""
+    return jnp.concatenate([gate, up], axis=-1)
+
+
+def fused_swiglu(xs, sizes, gate_up, down, backend):
+    """`grouped_swiglu` with gate and up fused (`fuse_gate_up`): also the per-slice step of the TSP
+    experts ring, which circulates the fused slice (any slice of the width, gate's and up's alike)."""
 
     def matmul(rows, w, name):  # named for the `moe` remat policy (model/remat.py)
         out = kernels.grouped_matmul(rows, w, sizes, preferred_element_type=jnp.float32, backend=backend)
         return checkpoint_name(out, name)
 
-    # One grouped matmul for gate and up: this device's slices side by side, [E, H, 2·I]. Concatenated
-    # here, where each device holds matching gate and up columns (tensor, TSP), not in the stored weight,
-    # so Muon keeps orthogonalising gate and up as the separate matrices they are.
-    fused = jnp.concatenate([gate, up], axis=-1)
-    gate_out, up_out = jnp.split(matmul(xs, fused, "moe_gate_up"), 2, axis=-1)
+    gate_out, up_out = jnp.split(matmul(xs, gate_up, "moe_gate_up"), 2, axis=-1)
     hidden = (jax.nn.silu(gate_out) * up_out).astype(xs.dtype)
     return matmul(hidden, down, "moe_down")
 

@@ -5,14 +5,16 @@ one slice of the intermediate dimension: gate/up `[E, H, I/D]`, down `[E, I/D, H
 elementwise over the intermediate dimension, so the output is the sum over slices of
 `down_s(silu(gate_s x) ⊙ up_s x)`. The forward applies the slice it holds to its tokens, passes
 the slice on with `ppermute` and takes the next, D times: no all-reduce, and two slices are
-resident at a time (the one in use and the one arriving).
+resident at a time (the one in use and the one arriving). The steps are a loop, not D unrolled
+copies: unrolled, the hops depend only on each other and XLA's scheduler runs them all first,
+holding every step's slice at once. Gate and up travel fused, one buffer per slice.
 
 The backward (`custom_vjp`) runs the ring again: each rank recomputes its tokens' activations
 for the slice it holds, adds that slice's weight-gradient partial to an accumulator that travels
 with the slice, and after D hops every accumulator is home with its owner. Nothing of the ring
 is saved from the forward but the tokens and the rank's own slices.
 
-This module owns the schedule only; the per-slice math is `model.moe.grouped_swiglu`
+This module owns the schedule only; the per-slice math is `model.moe.fused_swiglu`
 (with the `pallas` backend, call it under `shard_map(..., check_vma=False)`: Pallas output
 shapes carry no varying-axes annotation).
 """
@@ -44,14 +46,17 @@ def _pass_on(tree, axis: str):
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6))
 def _ring(xs, group_sizes, gate, up, down, axis, backend):
+    def apply(out, held):
+        return out + moe_math.fused_swiglu(xs, group_sizes, *held, backend)
+
+    def step(_, carry):  # this slice's product; the hop is independent of it: they overlap
+        out, held = carry
+        return apply(out, held), _pass_on(held, axis)
+
+    held = (moe_math.fuse_gate_up(gate, up), down)  # fused once: no copy of gate and up per step
     out = jnp.zeros((xs.shape[0], down.shape[-1]), jnp.float32)
-    held = (gate, up, down)
-    steps = jax.lax.axis_size(axis)
-    for step in range(steps):  # static: D is a mesh axis size
-        arriving = _pass_on(held, axis) if step < steps - 1 else None  # independent of the matmuls: overlaps
-        out = out + moe_math.grouped_swiglu(xs, group_sizes, *held, backend)
-        held = arriving
-    return out
+    out, held = jax.lax.fori_loop(0, jax.lax.axis_size(axis) - 1, step, (out, held))
+    return apply(out, held)  # the last slice: no hop after it
 
 
 def _ring_fwd(xs, group_sizes, gate, up, down, axis, backend):
@@ -60,19 +65,24 @@ def _ring_fwd(xs, group_sizes, gate, up, down, axis, backend):
 
 def _ring_bwd(axis, backend, residuals, dout):
     xs, group_sizes, gate, up, down = residuals
-    held = (gate, up, down)
+
+    def apply(dxs, held, grads):  # this slice's input gradient, and its weight gradient's partial
+        _, pullback = jax.vjp(lambda x, gu, d: moe_math.fused_swiglu(x, group_sizes, gu, d, backend), xs, *held)
+        dx, *dw = pullback(dout)
+        return dxs + dx.astype(jnp.float32), jax.tree.map(jnp.add, grads, tuple(dw))
+
+    def step(_, carry):
+        dxs, held, grads = carry
+        dxs, grads = apply(dxs, held, grads)
+        return dxs, _pass_on(held, axis), _pass_on(grads, axis)
+
+    held = (moe_math.fuse_gate_up(gate, up), down)
     grads = jax.tree.map(jnp.zeros_like, held)  # travels with the slice it belongs to
     dxs = jnp.zeros(xs.shape, jnp.float32)
-    steps = jax.lax.axis_size(axis)
-    for step in range(steps):
-        _, pullback = jax.vjp(lambda x, g, u, d: moe_math.grouped_swiglu(x, group_sizes, g, u, d, backend), xs, *held)
-        dx, *dw = pullback(dout)
-        dxs = dxs + dx.astype(jnp.float32)
-        grads = jax.tree.map(jnp.add, grads, tuple(dw))
-        if step < steps - 1:
-            held = _pass_on(held, axis)
-        grads = _pass_on(grads, axis)  # D hops in all: each accumulator ends at its owner
-    return (dxs.astype(xs.dtype), None, *grads)
+    dxs, held, grads = jax.lax.fori_loop(0, jax.lax.axis_size(axis) - 1, step, (dxs, held, grads))
+    dxs, grads = apply(dxs, held, grads)
+    gate_up, down = _pass_on(grads, axis)  # D hops in all: each accumulator ends at its owner
+    return (dxs.astype(xs.dtype), None, *jnp.split(gate_up, 2, axis=-1), down)
 
 
 _ring.defvjp(_ring_fwd, _ring_bwd)
