@@ -29,7 +29,8 @@ MIB = 2 ** 20
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--out", required=True, help="JSON path; the Markdown table goes beside it")
-    p.add_argument("--seeds", type=int, default=12, help="shapes drawn (seeds 0 .. N-1)")
+    p.add_argument("--seeds", type=int, default=12, help="shapes drawn (seeds FIRST .. FIRST+N-1)")
+    p.add_argument("--first-seed", type=int, default=0, help="the first seed (default 0)")
     p.add_argument("--layouts", type=int, default=2, help="8-device layouts compiled per shape")
     args = p.parse_args(argv)
 
@@ -47,7 +48,7 @@ def main(argv=None) -> int:
     if len(jax.devices()) < 8:
         sys.exit("run with XLA_FLAGS=--xla_force_host_platform_device_count=8")
     rows = []
-    for seed in range(args.seeds):
+    for seed in range(args.first_seed, args.first_seed + args.seeds):
         overrides = draw(seed)
         run = Workload.from_experiment(load_experiment(CONFIG, compiled_overrides(overrides)),
                                        hardware.profile("cpu"), 1, 8)
@@ -87,8 +88,9 @@ def _largest_misses(row: dict, n: int = 3) -> str:
 
 def _markdown(rows: list[dict], jax_version: str) -> str:
     ratios = [r["ratio"] for r in rows]
+    seeds = sorted({r["seed"] for r in rows})
     lines = [f"# The explorer's memory on drawn shapes (8 fake CPU devices, jax {jax_version})", "",
-             f"{len(rows)} layouts of {len({r['seed'] for r in rows})} drawn shapes; XLA / predicted total "
+             f"{len(rows)} layouts of {len(seeds)} drawn shapes (seeds {seeds[0]}–{seeds[-1]}); XLA / predicted total "
              f"{min(ratios):.2f}–{max(ratios):.2f}, within 10%: {sum(abs(x - 1) <= 0.1 for x in ratios)}.", "",
              "| seed | shape | layout | predicted MiB | XLA MiB | XLA / predicted | largest misses (XLA − predicted, MiB) |",
              "|---:|---|---|---:|---:|---:|---|"]

@@ -14,7 +14,7 @@ from zaya_jax.explore import inventory, memory, step_time
 from zaya_jax.explore.collectives import Network, load_curves
 from zaya_jax.explore.explorer import explore, fits_nowhere_message
 from zaya_jax.explore.placement import Span, layouts, spans
-from zaya_jax.explore.workload import Workload
+from zaya_jax.explore.workload import Workload, share
 from zaya_jax.parallel.axes import MESH_AXES
 from meshes import mesh_sizes
 from zaya_jax.train import flops
@@ -123,6 +123,35 @@ def test_remat_full_keeps_only_block_inputs():
     none = memory.predict(run(remat="none"), mesh_sizes(data=8))
     assert none.parts["stored_activations"] > 5 * m.parts["stored_activations"]
     assert memory.predict(run(remat="full", accum=2), mesh_sizes(data=8)).grad_bytes == 2 * m.grad_bytes
+
+
+def test_cpu_ragged_dot_operands_are_priced_for_the_xla_grouped_matmul_on_a_cpu_device_only():
+    sizes = mesh_sizes(expert=2, data=4)
+    cpu = run(TINY.replace(moe_kernel="xla"), hw=hardware.profile("cpu"))
+    local_experts, rows = 4 / 2, 16 * 64 / 8 * 2  # the expert axis gathers 2 devices' tokens
+    assert memory.cpu_kernel_bytes(cpu, sizes, share(cpu, sizes)) == local_experts * rows * 2 * (64 + 32) * 4
+    tsp = mesh_sizes(tsp=2, data=4)  # a ring step's slice of the width
+    assert memory.cpu_kernel_bytes(cpu, tsp, share(cpu, tsp)) == 4 * (16 * 64 / 8) * 2 * (64 + 16) * 4
+    gpu, tiled = run(TINY.replace(moe_kernel="xla"), hw=H100), run(TINY.replace(moe_kernel="tiled"), hw=hardware.profile("cpu"))
+    for r in (gpu, tiled):
+        assert memory.cpu_kernel_bytes(r, sizes, share(r, sizes)) == 0
+
+
+def test_a_hybrid_unit_of_several_layers_keeps_copies_of_its_expert_weights_only_without_remat():
+    sizes = mesh_sizes(data=8)
+    hybrid = TINY.replace(num_hidden_layers=4, layer_pattern="LC")
+    experts_by_hand = 3 * 4 * 64 * 32 * 4  # gate, up, down of one layer's 4 experts, fp32
+    copies = memory.stored_weight_bytes(run(hybrid), sizes)
+    assert copies == 4 * memory.expert_weights(run(hybrid), sizes) and copies > 4 * experts_by_hand
+    assert memory.stored_weight_bytes(run(hybrid, remat="full"), sizes) == 0
+    assert memory.stored_weight_bytes(run(TINY.replace(num_hidden_layers=4)), sizes) == 0  # one layer per unit
+
+
+def test_the_update_is_the_peak_when_the_gradients_outweigh_the_activations():
+    m = memory.predict(run(batch=1, seq=8), mesh_sizes())  # one device, 8 tokens: the weights dominate
+    assert m.parts["update_copies"] == 2 * m.grad_bytes and "stored_activations" not in m.parts
+    big = memory.predict(run(batch=64, seq=256), mesh_sizes())
+    assert "update_copies" not in big.parts and big.activation_bytes > 2 * big.grad_bytes
 
 
 def test_flops_are_the_models_plus_recomputation():

@@ -13,13 +13,18 @@ widths) — summed over the layers of each kind, then scaled by the remat policy
 * dots: every block keeps its matmul outputs; the rest of one block is recomputed at a time.
 * moe: every block keeps its input and the MoE's sorted tokens and grouped-matmul outputs.
 
-The backward of the block being differentiated holds about as much again (its gradients). Added
-on top: the chunked loss ([tokens, chunk] fp32 logits, probabilities and their gradient, plus the
-fp32 final hidden states), the schedules' buffers (FSDP's gathered layer and embedding, TSP's
-gathered attention bucket and ring slices, EP's gathered tokens, the K/V or the linear layers'
-memory states gathered along the sequence), the accumulated gradients when there are several micro-batches, Muon's Newton–Schulz
-temporaries, and the step's input arrays. `HEADROOM` of the HBM is kept free for the framework,
-collective scratch and fragmentation.
+The backward of the block being differentiated holds about as much again (its gradients), and
+for its experts one layer's weights twice (as its input-gradient matmuls read them, gathered over
+fsdp, and their gradients before the reduction). Added on top: the chunked loss ([tokens, chunk]
+fp32 logits, probabilities and their gradient, plus the fp32 final hidden states), the schedules'
+buffers (FSDP's gathered dense layer and embedding, TSP's gathered attention bucket and ring slices,
+the K/V or the linear layers' memory states gathered along the sequence), the accumulated gradients
+when there are several micro-batches, copies of every layer's expert weights where a hybrid
+pattern's unit holds several layers without remat (`stored_weight_bytes`), XLA:CPU's masked
+operands of `ragged_dot` on a CPU device (`cpu_kernel_bytes`, no GPU has them) and the step's input
+arrays. The update is a second candidate peak: the gradients, their clipped copy and the new values
+beside the old, and Muon's Newton–Schulz temporaries; the prediction is the larger of the two.
+`HEADROOM` of the HBM is kept free for the framework, collective scratch and fragmentation.
 """
 
 from __future__ import annotations
@@ -30,7 +35,7 @@ import math
 from zaya_jax.explore import inventory
 from zaya_jax.explore.workload import Workload, Share, lasp2_state_bytes, share
 from zaya_jax.kernels.ops import XLA_CHUNK
-from zaya_jax.model.layer_stack import MIXERS
+from zaya_jax.model.layer_stack import MIXERS, repeating_unit
 
 HEADROOM = 0.10
 F32 = 4
@@ -53,9 +58,10 @@ class Memory:
 # Each predicted part's term in XLA's attribution (`xla_terms.TERMS`): the gathered K/V a backward
 # without remat keeps are a collective's results there, as every schedule buffer is.
 PART_TERMS = {"stored_activations": "stored_activations", "stored_gathered": "schedule",
-              "block_working_set": "block_working_set", "loss": "loss", "gathered_weights": "schedule",
+              "stored_weights": "stored_activations", "block_working_set": "block_working_set",
+              "block_weights": "block_working_set", "cpu_kernel": "kernel", "loss": "loss", "gathered_weights": "schedule",
               "ring_slices": "schedule", "gathered_kv": "schedule", "gathered_states": "schedule",
-              "optimizer_temporaries": "update", "inputs": "inputs"}
+              "optimizer_temporaries": "update", "update_copies": "update", "inputs": "inputs"}
 
 
 def by_term(m: Memory) -> dict[str, float]:
@@ -205,15 +211,14 @@ def schedule_bytes(run: Workload, sizes: dict[str, int], s: Share) -> dict[str, 
     cfg, block, kinds = run.cfg, inventory.block_groups(run.cfg), run.cfg.layer_kinds
     out: dict[str, float] = {}
     if sizes["fsdp"] > 1 or sizes["tsp"] > 1:
-        # One block's weights (the next one's prefetched: ×2; the larger kind's) and the embedding
-        # (for the loss), gathered over the axes that split their hidden dimension; TSP's experts
-        # circulate instead.
+        # One block's dense weights (the next one's prefetched: ×2; the larger kind's) and the
+        # embedding (for the loss), gathered over the axes that split their hidden dimension. The
+        # experts' gathered weights are the backward's `block_weights`; TSP's circulate instead.
         dense = max(sum(inventory.local_bytes(g, sizes, ("fsdp", "tsp")) for g in inventory.block_groups(cfg, kind)
                         if g.part != "experts") for kind in MIXERS if kind in kinds)
-        experts = sum(inventory.local_bytes(g, sizes, ("fsdp",)) for g in block if g.part == "experts")
         embedding = sum(inventory.local_bytes(g, sizes, ("fsdp", "tsp"))
                         for g in inventory.param_groups(cfg) if g.part == "embedding")
-        out["gathered_weights"] = 2 * (dense + experts) + embedding
+        out["gathered_weights"] = 2 * dense + embedding
     if sizes["tsp"] > 1:  # the slice in use and the one arriving
         out["ring_slices"] = 2 * sum(inventory.local_bytes(g, sizes, ("fsdp",)) for g in block if g.part == "experts")
     if sizes["tsp"] * sizes["sequence"] > 1:
@@ -222,6 +227,35 @@ def schedule_bytes(run: Workload, sizes: dict[str, int], s: Share) -> dict[str, 
         if "L" in kinds:
             out["gathered_states"] = 2 * lasp2_state_bytes(run, sizes, s)  # LASP-2's states and their gradient
     return out
+
+
+def expert_weights(run: Workload, sizes: dict[str, int]) -> float:
+    """One layer's expert and router weights as its matmuls read them on a device (gathered over
+    fsdp; split over expert, TSP and tensor as stored)."""
+    return sum(inventory.local_bytes(g, sizes, ("fsdp",)) for g in inventory.block_groups(run.cfg)
+               if g.part in ("experts", "router"))
+
+
+def stored_weight_bytes(run: Workload, sizes: dict[str, int]) -> float:
+    """Copies of every layer's expert and router weights kept for the backward without remat, where
+    the layer pattern's unit holds several layers: the scan body takes each layer's weights out of
+    its unit's rows, and the slice is saved (`model/layer_stack.py`; with one layer per unit the
+    backward reads the stack itself; every remat policy recomputes the slice)."""
+    if run.remat != "none" or len(repeating_unit(run.cfg.layer_kinds)) == 1:
+        return 0.0
+    return run.cfg.num_hidden_layers * expert_weights(run, sizes)
+
+
+def cpu_kernel_bytes(run: Workload, sizes: dict[str, int], s: Share) -> float:
+    """XLA:CPU's form of `ragged_dot` (the `xla` grouped matmul compiled for a CPU device) multiplies
+    every row by every local expert and keeps the masked [local experts, rows, K] operands: at the
+    backward's peak about 2·(H + I) fp32 values per (expert, row), I the width one pass computes (a
+    TSP ring step's slice). No GPU kernel has them."""
+    if run.hw.target != "cpu" or run.backend("grouped_matmul", run.cfg.moe_kernel) != "xla":
+        return 0.0
+    local_experts = run.cfg.num_experts / sizes["expert"]
+    width = s.expert_width / sizes["tsp"]
+    return local_experts * s.tokens * s.dispatch * 2 * (run.cfg.hidden_size + width) * F32
 
 
 def muon_temporaries(run: Workload, sizes: dict[str, int]) -> float:
@@ -233,17 +267,32 @@ def muon_temporaries(run: Workload, sizes: dict[str, int]) -> float:
 
 
 def predict(run: Workload, sizes: dict[str, int]) -> Memory:
+    """The step's peak: the backward's (activations, schedules' buffers, the last block's working
+    set) or the update's (the clipped gradients and the new values beside the old), the larger."""
     state = inventory.state_bytes(run.cfg, sizes, run.zero1)
     s = share(run, sizes)
     grads = state.grads * (2 if run.grad_accum > 1 else 1)  # the running sum and this micro-batch's
-    parts = {
+    inputs = BATCH_FIELDS * 4 * run.grad_accum * s.tokens  # [A, b, S], split like the tokens
+    backward = {
         "stored_activations": s.tokens * stored_per_token(run, s),
         "stored_gathered": (over_layers(run, lambda kind: gathered_per_layer(run, sizes, s, kind))
                             if run.remat == "none" else 0.0),
         "block_working_set": 2 * s.tokens * largest_block_per_token(run, s),
+        # The backward of one block's experts: its weights in the layout the input gradients read
+        # and their gradients before the reduction over the replicas, each about one layer's weights.
+        "block_weights": 2 * expert_weights(run, sizes),
+        "stored_weights": stored_weight_bytes(run, sizes),
+        "cpu_kernel": cpu_kernel_bytes(run, sizes, s),
         "loss": loss_bytes(run, s.tokens, inventory.vocab_split(run.cfg, sizes)),
         **schedule_bytes(run, sizes, s),
-        "optimizer_temporaries": muon_temporaries(run, sizes),
-        "inputs": BATCH_FIELDS * 4 * run.grad_accum * s.tokens,  # [A, b, S], split like the tokens
+        "inputs": inputs,
     }
+    update = {
+        # The global-norm clip and the optimizer's new values: two more gradient-sized sets live
+        # before the old ones are released, and Muon's Newton–Schulz scratch.
+        "update_copies": 2 * state.grads,
+        "optimizer_temporaries": muon_temporaries(run, sizes),
+        "inputs": inputs,
+    }
+    parts = max(backward, update, key=lambda p: sum(p.values()))
     return Memory(state.params, grads, state.optimizer, sum(parts.values()), parts)
