@@ -9,7 +9,7 @@ the step's peak attributed to the explorer's terms (`explore/xla_terms.py`, as `
 the worst cases, and writes JSON and Markdown.
 
     XLA_FLAGS=--xla_force_host_platform_device_count=8 \\
-        python benchmarks/explorer_drawn_shapes.py --seeds 12 --out=benchmarks/explorer_drawn_shapes.json
+        python benchmarks/explorer_drawn_shapes.py --first-seed 12 --seeds 12 --out=benchmarks/explorer_drawn_shapes.json
 """
 
 from __future__ import annotations

@@ -130,6 +130,8 @@ def test_cpu_ragged_dot_operands_are_priced_for_the_xla_grouped_matmul_on_a_cpu_
     cpu = run(TINY.replace(moe_kernel="xla"), hw=hardware.profile("cpu"))
     local_experts, rows = 4 / 2, 16 * 64 / 8 * 2  # the expert axis gathers 2 devices' tokens
     assert memory.cpu_kernel_bytes(cpu, sizes, share(cpu, sizes)) == local_experts * rows * 2 * (64 + 32) * 4
+    unrolled = dataclasses.replace(cpu, scan_unroll=2)  # straight-line layers keep the forward's too
+    assert memory.cpu_kernel_bytes(unrolled, sizes, share(cpu, sizes)) == local_experts * rows * 3 * (64 + 32) * 4
     tsp = mesh_sizes(tsp=2, data=4)  # a ring step's slice of the width
     assert memory.cpu_kernel_bytes(cpu, tsp, share(cpu, tsp)) == 4 * (16 * 64 / 8) * 2 * (64 + 16) * 4
     gpu, tiled = run(TINY.replace(moe_kernel="xla"), hw=H100), run(TINY.replace(moe_kernel="tiled"), hw=hardware.profile("cpu"))

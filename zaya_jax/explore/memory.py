@@ -250,12 +250,16 @@ def cpu_kernel_bytes(run: Workload, sizes: dict[str, int], s: Share) -> float:
     """XLA:CPU's form of `ragged_dot` (the `xla` grouped matmul compiled for a CPU device) multiplies
     every row by every local expert and keeps the masked [local experts, rows, K] operands: at the
     backward's peak about 2·(H + I) fp32 values per (expert, row), I the width one pass computes (a
-    TSP ring step's slice). No GPU kernel has them."""
+    TSP ring step's slice), and (H + I) more from the forward where unrolled layers keep them. No
+    GPU kernel has them."""
     if run.hw.target != "cpu" or run.backend("grouped_matmul", run.cfg.moe_kernel) != "xla":
         return 0.0
     local_experts = run.cfg.num_experts / sizes["expert"]
     width = s.expert_width / sizes["tsp"]
-    return local_experts * s.tokens * s.dispatch * 2 * (run.cfg.hidden_size + width) * F32
+    # Several layers per scan iteration without remat are straight-line code in which XLA keeps the
+    # forward's masked operands for the backward too.
+    kept = 1 if run.remat == "none" and run.scan_unroll > 1 else 0
+    return local_experts * s.tokens * s.dispatch * (2 + kept) * (run.cfg.hidden_size + width) * F32
 
 
 def muon_temporaries(run: Workload, sizes: dict[str, int]) -> float:

@@ -35,6 +35,7 @@ class Workload:
     ns_steps: int = 5  # Muon's Newton–Schulz iterations
     zero1: bool = True  # optimizer state split over `data` too (optim.shard_over_data)
     zigzag: bool = True  # mesh.zigzag: causal attention balanced over the sequence devices
+    scan_unroll: int = 1  # train.scan_unroll: layers per iteration of the layer scan
     # Measured shares of the peak per kernel kind (`step_time.flops_by_kernel`), and the residual
     # that scales compute to a measured step (`explore/calibration.py`); none: the profile's.
     efficiencies: tuple[tuple[str, float], ...] = ()
@@ -45,7 +46,7 @@ class Workload:
         c = exp.config
         return cls(exp.model, c.train.seq_len, c.train.global_batch_size, c.train.grad_accum_steps, c.train.remat,
                    hw, nodes, gpus_per_node, c.train.loss_vocab_chunk, c.optim.muon_ns_steps, c.optim.shard_over_data,
-                   c.mesh.zigzag)
+                   c.mesh.zigzag, scan_unroll=c.train.scan_unroll)
 
     @property
     def devices(self) -> int:
