@@ -63,9 +63,10 @@ def test_unrolled_layers_give_the_scanned_values_and_gradients(remat):
             # Against the leaf's largest entry: an embedding row's gradient sums every position
             # holding its token, and where those terms cancel, the order XLA adds them in (fused
             # differently scanned and unrolled) moves the few-ulp rounding by up to ~1e-3 of the
-            # small sum. A misplaced or missing block moves every entry by its own size.
+            # small sum (jax 0.12: 2.5e-5 of the largest entry on a router norm weight, a sum over
+            # every token). A misplaced or missing block moves every entry by its own size.
             scale = float(np.max(np.abs(g.get_value()))) or 1.0
-            np.testing.assert_allclose(g.get_value(), g_u.get_value(), rtol=0, atol=2e-5 * scale, err_msg=str(path))
+            np.testing.assert_allclose(g.get_value(), g_u.get_value(), rtol=0, atol=5e-5 * scale, err_msg=str(path))
 
 
 def test_layer_0_eda_scale_is_inert():
