@@ -14,6 +14,7 @@ import sys
 
 from zaya_jax.storage import storage_failure
 
+
 class _QuietStorageFailures(logging.Filter):
     """Orbax's background threads report a failed write as a logged traceback, and tensorstore's
     callbacks then find asyncio's loop closed and print one traceback each: the run says the

@@ -208,7 +208,7 @@ def gathered_kv_bytes(run: Workload, sizes: dict[str, int], s: Share) -> float:
 
 def schedule_bytes(run: Workload, sizes: dict[str, int], s: Share) -> dict[str, float]:
     """The buffers each parallel schedule adds (fp32 weights are gathered as stored)."""
-    cfg, block, kinds = run.cfg, inventory.block_groups(run.cfg), run.cfg.layer_kinds
+    cfg, kinds = run.cfg, run.cfg.layer_kinds
     out: dict[str, float] = {}
     if sizes["fsdp"] > 1 or sizes["tsp"] > 1:
         # One block's dense weights (the next one's prefetched: ×2; the larger kind's) and the
@@ -220,7 +220,7 @@ def schedule_bytes(run: Workload, sizes: dict[str, int], s: Share) -> dict[str, 
                         for g in inventory.param_groups(cfg) if g.part == "embedding")
         out["gathered_weights"] = 2 * dense + embedding
     if sizes["tsp"] > 1:  # the slice in use and the one arriving
-        out["ring_slices"] = 2 * sum(inventory.local_bytes(g, sizes, ("fsdp",)) for g in block if g.part == "experts")
+        out["ring_slices"] = 2 * expert_weights(run, sizes, parts=("experts",))
     if sizes["tsp"] * sizes["sequence"] > 1:
         if "C" in kinds:
             out["gathered_kv"] = 2 * gathered_kv_bytes(run, sizes, s)  # the gathered K/V and their gradient
@@ -229,11 +229,11 @@ def schedule_bytes(run: Workload, sizes: dict[str, int], s: Share) -> dict[str, 
     return out
 
 
-def expert_weights(run: Workload, sizes: dict[str, int]) -> float:
-    """One layer's expert and router weights as its matmuls read them on a device (gathered over
-    fsdp; split over expert, TSP and tensor as stored)."""
+def expert_weights(run: Workload, sizes: dict[str, int], parts=("experts", "router")) -> float:
+    """One layer's expert and router weights (or those of `parts`) as its matmuls read them on a
+    device (gathered over fsdp; split over expert, TSP and tensor as stored)."""
     return sum(inventory.local_bytes(g, sizes, ("fsdp",)) for g in inventory.block_groups(run.cfg)
-               if g.part in ("experts", "router"))
+               if g.part in parts)
 
 
 def stored_weight_bytes(run: Workload, sizes: dict[str, int]) -> float:
