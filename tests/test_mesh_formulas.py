@@ -15,6 +15,7 @@ from zaya_jax.explore.collectives import Network, load_curves
 from zaya_jax.explore.explorer import explore, fits_nowhere_message
 from zaya_jax.explore.placement import Span, layouts, spans
 from zaya_jax.explore.workload import Workload, share
+from zaya_jax.kernels import tiled_grouped_matmul
 from zaya_jax.parallel.axes import MESH_AXES
 from meshes import mesh_sizes
 from zaya_jax.train import flops
@@ -192,7 +193,10 @@ def test_step_time_and_mfu_on_one_device_are_compute_and_optimizer():
     t = step_time.predict(r, mesh_sizes(), Network(r.hw))
     assert t.exposed_comm_s == {}
     assert t.step_time_s == pytest.approx(t.compute_s + t.optimizer_s)
-    assert t.compute_s == pytest.approx(t.hardware_flops / 1e12)  # the nominal 1 TFLOP/s at efficiency 1
+    # The nominal 1 TFLOP/s at efficiency 1, and the blocks' elementwise passes at its 0.1 TB/s
+    made = 8 * 64 * TINY.num_hidden_layers * memory.block_bytes_per_token(r, step_time.share(r, mesh_sizes()))
+    assert t.elementwise_s == pytest.approx(step_time.ELEMENTWISE_PASSES * made / 0.1e12)
+    assert t.compute_s == pytest.approx(t.hardware_flops / 1e12 + t.elementwise_s)
     assert t.mfu == pytest.approx(t.model_flops / (t.step_time_s * 1e12))
 
 
@@ -208,11 +212,18 @@ def test_gradients_reduce_over_the_axes_that_do_not_shard_them():
     # (A weight with no dimension that 8 divides keeps its state whole: all-reduced.)
     zero1 = {tr.op: tr for tr in _gradient_transfers(r, mesh_sizes(data=8))}
     assert set(zero1) == {"reduce_scatter", "all_gather", "all_reduce"} and {tr.axis for tr in zero1.values()} == {"data"}
-    assert all(tr.calls == 1 and not tr.overlappable for tr in zero1.values())
-    assert zero1["reduce_scatter"].nbytes + zero1["all_reduce"].nbytes == pytest.approx(grads)
-    assert zero1["all_gather"].nbytes == zero1["reduce_scatter"].nbytes > 0.99 * grads
+    # One call per stacked weight, each priced at their mean size
+    weights = len(inventory.param_groups(TINY))
+    assert not any(tr.overlappable for tr in zero1.values())
+    assert zero1["reduce_scatter"].calls + zero1["all_reduce"].calls == weights
+    total = lambda tr: tr.nbytes * tr.calls
+    assert total(zero1["reduce_scatter"]) + total(zero1["all_reduce"]) == pytest.approx(grads)
+    assert zero1["all_gather"].calls == zero1["reduce_scatter"].calls
+    assert total(zero1["all_gather"]) == pytest.approx(total(zero1["reduce_scatter"])) and total(
+        zero1["all_gather"]) > 0.99 * grads
     whole, = _gradient_transfers(dataclasses.replace(r, zero1=False), mesh_sizes(data=8))
-    assert (whole.axis, whole.op, whole.calls) == ("data", "all_reduce", 1) and whole.nbytes == pytest.approx(grads)
+    assert (whole.axis, whole.op, whole.calls) == ("data", "all_reduce", weights)
+    assert total(whole) == pytest.approx(grads)
     fsdp = _gradient_transfers(r, mesh_sizes(fsdp=8))
     ops = {(tr.axis, tr.op) for tr in fsdp}
     assert ("fsdp", "all_gather") in ops and ("fsdp", "reduce_scatter") in ops
@@ -290,3 +301,73 @@ def test_no_layout_and_fits_nowhere_say_why_and_by_how_much():
     assert "fits on no layout of 1 x 1 h100" in message and "more than the 67.1 GiB usable" in message
     over = preds[0].memory.total_bytes - memory.usable_bytes(big)
     assert f"{over / 1024 ** 3:.1f} GiB" in message
+
+
+MEASURED_CPU = dataclasses.replace(hardware.profile("cpu"), peak_bf16_tflops=0.2, hbm_tb_per_s=0.03,
+                                   elementwise_tb_per_s=0.025, nominal=False,
+                                   matmul_curve=((1e6, 0.01), (1e8, 0.1), (1e10, 0.2)))
+
+
+def test_a_matmul_is_priced_at_the_measured_rate_of_its_size():
+    curve = MEASURED_CPU.matmul_curve
+    assert step_time.curve_rate(curve, 1e7) == pytest.approx(math.sqrt(0.01 * 0.1))  # log-log halfway
+    assert step_time.curve_rate(curve, 1e5) == pytest.approx(0.001)  # below: the smallest call's time
+    assert step_time.curve_rate(curve, 1e12) == 0.2  # above: the largest's rate
+    r = run(hw=MEASURED_CPU, batch=8, seq=64)
+    s = step_time.share(r, mesh_sizes())
+    work = step_time.flops_by_kernel(r, mesh_sizes(), s)
+    calls = step_time.call_flops(r, mesh_sizes(), s)
+    assert calls["matmul"] == 2 * 8 * 64 * TINY.hidden_size ** 2
+    # every (sequence, head)'s queries against its keys: one batched product
+    assert calls["attention"] == 2 * 8 * TINY.num_attention_heads * 64 * 64 * TINY.head_dim
+    want = sum(v / (step_time.curve_rate(curve, calls[k]) * 1e12) for k, v in work.items() if v)
+    assert step_time.compute_seconds(r, work, calls) == pytest.approx(want)
+    # A calibration's measured share wins over the curve for its kind
+    calibrated = dataclasses.replace(r, efficiencies=(("matmul", 0.5),))
+    assert step_time.compute_seconds(calibrated, {"matmul": 1e9}, calls) == pytest.approx(1e9 / 0.1e12)
+
+
+def test_kernels_of_static_shape_run_every_row_the_device_holds():
+    r = run(hw=MEASURED_CPU, batch=8, seq=64)  # the cpu target's default grouped matmul: tiled
+    for sizes, owners in ((mesh_sizes(), 1), (mesh_sizes(expert=2), 2)):  # expert: the other owner's rows too
+        s = step_time.share(r, sizes)
+        rows = 8 * 64 / owners
+        held = int(rows * owners)
+        experts = TINY.num_experts // sizes["expert"]
+        tile = tiled_grouped_matmul.tile_rows(held, experts)
+        assert step_time.padded_share(r, sizes, s) == (held + experts * tile) / rows
+        assert step_time.call_flops(r, sizes, s)["grouped_matmul"] == 2 * held / experts * TINY.hidden_size * \
+            TINY.moe_intermediate_size
+    xla = dataclasses.replace(TINY, moe_kernel="xla")  # XLA:CPU's ragged_dot: every row by every expert
+    s = step_time.share(r, mesh_sizes())
+    assert s.tokens == 8 * 64 and step_time.padded_share(dataclasses.replace(r, cfg=xla), mesh_sizes(), s) == TINY.num_experts
+    gpu = run(cfg=xla, hw=H100, batch=8, seq=64)
+    assert step_time.padded_share(gpu, mesh_sizes(), s) == 1.0
+    pallas = run(hw=H100, batch=8, seq=64)
+    assert step_time.padded_share(pallas, mesh_sizes(expert=2), step_time.share(pallas, mesh_sizes(expert=2))) == 1.0
+
+
+def test_elementwise_work_is_passes_over_the_blocks_activations_and_a_forward_more_under_remat():
+    sizes = mesh_sizes()
+    for remat, forwards in (("none", 0), ("full", 1), ("dots", 1)):
+        r = run(hw=MEASURED_CPU, batch=8, seq=64, accum=2, remat=remat)
+        s = step_time.share(r, sizes)
+        made = TINY.num_hidden_layers * memory.block_bytes_per_token(r, s) * 8 * 64  # both micro-batches
+        want = step_time.ELEMENTWISE_PASSES * (3 + forwards) / 3 * made / 0.025e12
+        assert step_time.elementwise_seconds(r, sizes, s) == pytest.approx(want), remat
+    # Without a measured elementwise rate, the memory bandwidth
+    r = run(hw=dataclasses.replace(MEASURED_CPU, elementwise_tb_per_s=0.0), batch=8, seq=64)
+    s = step_time.share(r, sizes)
+    assert step_time.elementwise_seconds(r, sizes, s) == pytest.approx(
+        step_time.ELEMENTWISE_PASSES * TINY.num_hidden_layers * memory.block_bytes_per_token(r, s) * 512 / 0.03e12)
+
+
+def test_collectives_hide_behind_compute_on_a_gpu_and_not_on_a_cpu():
+    sizes = mesh_sizes(fsdp=8)
+    for hw, hidden in ((H100, True), (MEASURED_CPU, False)):
+        r = run(hw=hw, batch=64, seq=256)
+        overlappable = [tr for tr in step_time.transfers(r, sizes) if tr.overlappable]
+        assert overlappable  # FSDP's gathers and reductions
+        t = step_time.predict(r, sizes, Network(hw))
+        whole = sum(tr.calls * Network(hw).time(tr.op, tr.nbytes, tr.span) for tr in step_time.transfers(r, sizes))
+        assert (sum(t.exposed_comm_s.values()) < whole) == hidden, hw.name

@@ -73,6 +73,11 @@ class HardwareProfile:
     nominal: bool = False  # True: a placeholder, not a datasheet figure
     target: str = "cpu"  # the kernel target (`kernels.registry.TARGETS`) this device compiles for
     shared_memory_kib: int = 0  # shared memory / LDS one Triton program may use (0: no limit checked)
+    # Measured on this host (`zaya bench host`), none in a datasheet profile: the matmul rate by
+    # FLOPs per call ((flops, TFLOP/s) rising), and the rate of activation-sized elementwise
+    # kernels (0: the memory bandwidth's).
+    matmul_curve: tuple[tuple[float, float], ...] = ()
+    elementwise_tb_per_s: float = 0.0
 
 
 PROFILES: dict[str, HardwareProfile] = {
@@ -129,9 +134,16 @@ def measured_from(base: HardwareProfile, record: dict, dtype: str, where: str = 
     except (KeyError, TypeError, ValueError) as e:
         raise ZayaError(f"{where} is not a zaya bench host record ({type(e).__name__}: {e}); "
                         "write it again with zaya bench host") from None
-    if not (rate > 0 and memory > 0):
+    try:  # records written before the curve was measured price every matmul at the large one's rate
+        curve = tuple((float(f), float(r)) for f, r in record.get("matmul_curve", {}).get(dtype, ()))
+        elementwise = float(record.get("elementwise_gb_per_s", 0.0))
+    except (AttributeError, TypeError, ValueError) as e:
+        raise ZayaError(f"{where} has a malformed matmul_curve or elementwise rate ({e}); write it again with "
+                        "zaya bench host") from None
+    if not (rate > 0 and memory > 0 and elementwise >= 0 and all(f > 0 and r > 0 for f, r in curve)):
         raise ZayaError(f"{where} holds rates that are not positive; write it again with zaya bench host")
     return dataclasses.replace(base, peak_bf16_tflops=rate, compute_efficiency=1.0, hbm_tb_per_s=memory / 1e3,
+                               matmul_curve=tuple(sorted(curve)), elementwise_tb_per_s=elementwise / 1e3,
                                nominal=False, source=f"measured by zaya bench host ({record.get('device_kind', '?')}, {dtype})")
 
 

@@ -62,10 +62,15 @@ def add_parser(jobs) -> None:
                    help="timed calls per op and size; the median is kept (default 20)")
     p.add_argument("--warmup", type=int, default=2, metavar="N", help="untimed calls first (default 2)")
     h = kinds.add_parser("host", help="this machine's matmul TFLOP/s and memory GB/s (for zaya mesh --host)",
-                         description="Time a square matmul (float32 and bfloat16) and a streaming pass on one "
-                                     "device, and write them for `zaya mesh --host`.")
+                         description="Time square matmuls (float32 and bfloat16, 64 to 2048 wide), an elementwise "
+                                     "kernel and a streaming pass per device, every device at once, and write them "
+                                     "for `zaya mesh --host`.")
     h.add_argument("--out", required=True, metavar="FILE", help="JSON object (written atomically)")
     h.add_argument("--iters", type=int, default=5, metavar="N", help="timed calls per measurement (default 5)")
+    h.add_argument("--cpu-devices", type=int, default=0, metavar="N",
+                   help="on a CPU, the XLA devices the cores are split into, as the run's train.cpu_devices "
+                        "(default 0: one per core; a device count in XLA_FLAGS wins, as over train.cpu_devices); "
+                        "each device's rates are measured while all of them run")
 
 
 def host_command(args, extra: list[str]) -> int:
@@ -73,19 +78,26 @@ def host_command(args, extra: list[str]) -> int:
         raise ZayaError(f"unrecognized arguments: {' '.join(extra)}")
     if args.iters < 1:
         raise ZayaError(f"--iters must be at least 1, got {args.iters}")
+    if args.cpu_devices < 0:
+        raise ZayaError(f"--cpu-devices must be 0 (one per core) or more, got {args.cpu_devices}")
     problem = out_problem(args.out)
     if problem:
         raise ZayaError(problem)
     import json
+    import os
 
+    from zaya_jax import cpu_host
+
+    cpu_host.prepare(args.cpu_devices or os.cpu_count() or 1)  # before JAX starts
     import jax
 
     from zaya_jax.bench.host import measure
     from zaya_jax.explore.report import write_atomic
 
-    record = measure(jax.devices()[0], args.iters)
+    record = measure(jax.local_devices(), args.iters)
     rates = ", ".join(f"{dtype} {v:.3g}" for dtype, v in record["matmul_tflops"].items())
-    print(f"{record['device_kind']} ({record['platform']}): matmul TFLOP/s {rates}; memory "
+    print(f"{record['device_kind']} ({record['platform']}, {record['devices']} devices at once): matmul TFLOP/s "
+          f"{rates} per device; elementwise {record['elementwise_gb_per_s']:.3g} GB/s, memory "
           f"{record['memory_gb_per_s']:.3g} GB/s")
     write_atomic(args.out, lambda f: f.write(json.dumps(record, indent=1) + "\n"))
     print(f"wrote {args.out}; use it with zaya mesh --host={args.out}")

@@ -7,8 +7,8 @@ From its kernel benchmark (fwd+bwd at ZAYA1's shapes) it takes, per kernel kind 
 (the dense product of the same shapes; also the linear layers' core, which the file does not time).
 From its timed train step it takes the residual: the factor that makes the kernel-calibrated
 model's compute time for that step (one device, no collectives) meet the measured step, less the
-optimizer's modelled time: the time the kernel timings leave out (memory-bound ops, launches);
-every layout's compute is scaled by it. One measured step makes it a one-point fit: a prediction for shapes near it, not a
+optimizer's modelled time: what the kernel timings and the modelled elementwise work leave out
+(launches, the elementwise passes' real count on that device); every layout's compute is scaled by it. One measured step makes it a one-point fit: a prediction for shapes near it, not a
 law. Measured collectives come from `zaya bench collectives` (`--collectives`).
 """
 

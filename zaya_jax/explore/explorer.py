@@ -36,7 +36,7 @@ class Prediction:
                 "param_bytes": round(m.param_bytes), "grad_bytes": round(m.grad_bytes),
                 "optimizer_bytes": round(m.optimizer_bytes), "activation_bytes": round(m.activation_bytes),
                 "total_bytes": round(m.total_bytes), "step_time_s": t.step_time_s, "mfu": t.mfu,
-                "compute_s": t.compute_s, "optimizer_s": t.optimizer_s,
+                "compute_s": t.compute_s, "elementwise_s": t.elementwise_s, "optimizer_s": t.optimizer_s,
                 "exposed_comm_s": {k: v for k, v in sorted(t.exposed_comm_s.items())},
                 "activation_parts": {k: round(v) for k, v in m.parts.items()},
             },

@@ -30,10 +30,11 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from zaya_jax.explore import inventory
+from zaya_jax.explore import inventory, memory
 from zaya_jax.explore.collectives import Network
 from zaya_jax.explore.placement import Span, spans
 from zaya_jax.explore.workload import Workload, Share, lasp2_ends_bytes, lasp2_state_bytes, share
+from zaya_jax.kernels import tiled_grouped_matmul
 from zaya_jax.model.layer_stack import MIXERS
 from zaya_jax.parallel import zigzag
 from zaya_jax.parallel.axes import BATCH_AXES, SEQUENCE_AXES
@@ -41,6 +42,15 @@ from zaya_jax.parallel.rules import spread_axes
 from zaya_jax.train import flops
 
 F32 = 4
+LINEAR_CHUNK = memory.XLA_CHUNK
+# Elementwise traffic per byte of activation a block makes, forward and backward (norms, rotary,
+# convs, softmax, routing, the experts' dispatch, each read and written, and their gradients):
+# measured on XLA:CPU (tiny_cpu under data 2, profiled: elementwise time x the host's elementwise
+# rate / the block's activations), not derived.
+ELEMENTWISE_PASSES = 18.0
+# A Newton–Schulz iteration's elementwise work on X (`train/muon.newton_schulz`: a·X + (b·A + c·A²)·X
+# reads X and the product and writes X): passes over the matrices per iteration.
+NS_PASSES = 3
 TOKEN_AXES = BATCH_AXES + SEQUENCE_AXES  # axes that split the tokens: gradients sum over them
 
 
@@ -57,7 +67,8 @@ class Transfer:
 
 @dataclasses.dataclass(frozen=True)
 class StepTime:
-    compute_s: float
+    compute_s: float  # matmuls and elementwise work together
+    elementwise_s: float  # of which the memory-bound elementwise work
     exposed_comm_s: dict  # axis → seconds not hidden behind compute
     optimizer_s: float
     step_time_s: float
@@ -90,14 +101,84 @@ def flops_by_kernel(run: Workload, sizes: dict[str, int], s: Share) -> dict[str,
                  "grouped_matmul": (3 + recompute[1]) * experts,
                  "attention": (3 + recompute[2]) * core.get("C", 0.0),
                  "linear_attention": (3 + recompute[2]) * core.get("L", 0.0)}
+    per_token["grouped_matmul"] *= padded_share(run, sizes, s)
     return {kind: value * s.tokens * run.grad_accum for kind, value in per_token.items()}
 
 
-def compute_seconds(run: Workload, work: dict[str, float]) -> float:
-    """Each kind's FLOPs over the peak times its efficiency (`Workload.efficiency`), times the
-    calibration's residual."""
+def compute_seconds(run: Workload, work: dict[str, float], per_call: dict[str, float] | None = None) -> float:
+    """Each kind's FLOPs over the rate it runs at, times the calibration's residual. The rate: a
+    calibration's measured share of the peak for the kind; else, on a host whose matmuls were
+    measured by size (`HardwareProfile.matmul_curve`), the rate of a matmul of the kind's FLOPs
+    per call (`call_flops`); else the peak times the profile's efficiency."""
     peak = run.hw.peak_bf16_tflops * 1e12
-    return run.residual * sum(value / (peak * run.efficiency(kind)) for kind, value in work.items())
+
+    def rate(kind: str) -> float:
+        if kind in dict(run.efficiencies) or not run.hw.matmul_curve or per_call is None:
+            return peak * run.efficiency(kind)
+        return curve_rate(run.hw.matmul_curve, per_call[kind]) * 1e12
+
+    return run.residual * sum(value / rate(kind) for kind, value in work.items() if value)
+
+
+def curve_rate(curve: tuple[tuple[float, float], ...], flops: float) -> float:
+    """TFLOP/s of a matmul of `flops` FLOPs: interpolated log-log between the measured sizes; below
+    the smallest, its time per call (a call costs at least that); above the largest, its rate."""
+    (f0, r0), (fn, rn) = curve[0], curve[-1]
+    if flops <= f0:
+        return r0 * flops / f0
+    if flops >= fn:
+        return rn
+    for (fa, ra), (fb, rb) in zip(curve, curve[1:]):
+        if fa <= flops <= fb:
+            w = math.log(flops / fa) / math.log(fb / fa)
+            return math.exp((1 - w) * math.log(ra) + w * math.log(rb))
+    return rn
+
+
+def call_flops(run: Workload, sizes: dict[str, int], s: Share) -> dict[str, float]:
+    """FLOPs of one matmul of each kind (`flops_by_kernel`), what sets its rate on a host measured
+    by size: a projection of the hidden width over the device's tokens; one expert's rows against
+    its slice of the width; one sequence chunk's queries
+    and one head's keys; one chunk of a linear layer. The tiled grouped matmul's tiles are one
+    batched matmul per expert's rows: it runs at the rate of those rows, not a tile's."""
+    cfg, h, t = run.cfg, run.cfg.hidden_size, sizes["tensor"]
+    q_len = s.tokens / max(s.rows, 1e-9)
+    heads = s.rows * s.heads  # (sequence, head) pairs: one batched product over all of them
+    return {"matmul": 2 * s.tokens * h * h / t, "grouped_matmul": 2 * expert_call_rows(run, sizes, s) * h
+            * s.expert_width / sizes["tsp"], "attention": 2 * heads * q_len * s.keys * cfg.head_dim,
+            "linear_attention": 2 * heads * q_len * min(LINEAR_CHUNK, q_len) * cfg.head_dim}
+
+
+def expert_call_rows(run: Workload, sizes: dict[str, int], s: Share) -> float:
+    """Rows one local expert's matmul multiplies: its share of every row the device holds (its own
+    and, under expert parallelism, those gathered from the other owners)."""
+    return s.tokens * s.dispatch / (run.cfg.num_experts / sizes["expert"])
+
+
+def padded_share(run: Workload, sizes: dict[str, int], s: Share) -> float:
+    """The experts' work on a device over its routed rows' own (`flops_by_kernel` counts those).
+    Kernels of static shape do more: the `tiled` grouped matmul runs every row the device holds
+    (the gathered rows of other owners' experts too, as empty tiles) plus up to a tile per expert;
+    XLA:CPU's `ragged_dot` runs every row against every local expert. A ragged GPU kernel (Pallas)
+    skips what is not its own."""
+    backend = run.backend("grouped_matmul", run.cfg.moe_kernel)
+    rows, groups = s.tokens * s.dispatch, run.cfg.num_experts / sizes["expert"]
+    if backend == "tiled":
+        return (rows + groups * tiled_grouped_matmul.tile_rows(int(rows), int(groups))) / s.tokens
+    if backend == "xla" and run.hw.target == "cpu":
+        return groups * rows / s.tokens
+    return 1.0
+
+
+def elementwise_seconds(run: Workload, sizes: dict[str, int], s: Share) -> float:
+    """The blocks' memory-bound work: `ELEMENTWISE_PASSES` times the activations they make (as the
+    memory model counts them, `memory.block_bytes_per_token`), a forward more under remat, at the
+    host's measured elementwise rate (else the memory bandwidth); a calibration's residual scales
+    it with the matmuls."""
+    made = memory.over_layers(run, lambda kind: memory.block_bytes_per_token(run, s, kind))
+    recompute = 0 if run.remat == "none" else 1
+    traffic = ELEMENTWISE_PASSES * (3 + recompute) / 3 * made * s.tokens * run.grad_accum
+    return run.residual * traffic / ((run.hw.elementwise_tb_per_s or run.hw.hbm_tb_per_s) * 1e12)
 
 
 def _busiest_causal_share(run: Workload, sizes: dict[str, int]) -> float:
@@ -204,8 +285,13 @@ def _gradient_reductions(run: Workload, sizes: dict[str, int], where: dict[str, 
     the optimizer's shard; the other axes' parts stay in the loop, once per micro-batch. With one
     micro-batch GSPMD reduces over all of them at once inside the backward. ZeRO-1 then gathers
     the updated weights over `data`."""
-    looped: dict[tuple[str, ...], float] = {}
-    once = {"all_reduce": 0.0, "reduce_scatter": 0.0, "all_gather": 0.0}
+    looped: dict[tuple[str, ...], list[float]] = {}  # axes → [bytes, arrays]
+    once = {"all_reduce": [0.0, 0], "reduce_scatter": [0.0, 0], "all_gather": [0.0, 0]}
+
+    def add(into: list, nbytes: float) -> None:
+        into[0] += nbytes
+        into[1] += 1
+
     for g in inventory.param_groups(run.cfg):
         sharded = inventory.sharded_axes(g, sizes)
         axes = tuple(x for x in TOKEN_AXES if sizes[x] > 1 and x not in sharded
@@ -214,35 +300,52 @@ def _gradient_reductions(run: Workload, sizes: dict[str, int], where: dict[str, 
         split = "data" in axes and inventory.optimizer_split(g, sizes, run.zero1) > 1
         inner = axes if run.grad_accum == 1 else tuple(x for x in axes if x != "data")
         if inner:
-            looped[inner] = looped.get(inner, 0.0) + nbytes
+            add(looped.setdefault(inner, [0.0, 0]), nbytes)
         if "data" in axes and "data" not in inner:
-            once["reduce_scatter" if split else "all_reduce"] += nbytes
-        once["all_gather"] += nbytes if split else 0.0
+            add(once["reduce_scatter" if split else "all_reduce"], nbytes)
+        if split:
+            add(once["all_gather"], nbytes)
+    # One collective per stacked weight (XLA:CPU's as compiled; a GPU's combiner may merge them,
+    # which only saves the per-call latency): priced at the mean size, as many calls.
     out = []
-    for axes, nbytes in looped.items():
-        out.append(Transfer("+".join(axes), "all_reduce", nbytes, run.grad_accum, True, "gradients",
+    for axes, (nbytes, arrays) in looped.items():
+        out.append(Transfer("+".join(axes), "all_reduce", nbytes / arrays, run.grad_accum * arrays, True, "gradients",
                             _joint_span(where, axes)))
     what = {"all_reduce": "gradients, once per step", "reduce_scatter": "gradients onto the ZeRO-1 shards",
             "all_gather": "updated weights from the ZeRO-1 shards"}
     # After the loop (or the update) there is no compute left to hide behind.
-    out += [Transfer("data", op, nbytes, 1, False, what[op], where["data"]) for op, nbytes in once.items() if nbytes]
+    out += [Transfer("data", op, nbytes / arrays, arrays, False, what[op], where["data"])
+            for op, (nbytes, arrays) in once.items() if nbytes]
     return out
 
 
 def optimizer_seconds(run: Workload, sizes: dict[str, int]) -> float:
-    """Muon's Newton–Schulz on each device's share of the matrices, plus one pass over the state."""
+    """Muon's Newton–Schulz on each device's share of the matrices (each weight's stacked matrices
+    one batched product: its rate, on a host measured by size, that of the whole batch), the
+    iterations' elementwise updates of those matrices (`NS_PASSES` per iteration) and one pass
+    over the state in memory."""
     state = inventory.state_bytes(run.cfg, sizes, run.zero1)
     stream = 3 * (state.params + state.grads + state.optimizer)  # read grads and state, write state
+    stream += NS_PASSES * run.ns_steps * sum(
+        inventory.ns_share(g, sizes) * g.elements // math.prod(g.shape[: g.view.batch_axes]) * F32
+        for g in inventory.param_groups(run.cfg) if g.optimizer == "muon")
     hw = run.hw
-    return (newton_schulz_flops(run, sizes) / (hw.peak_bf16_tflops * 1e12 * run.efficiency("matmul"))
-            + stream / (hw.hbm_tb_per_s * 1e12))
+    matmuls = sum(compute_seconds(run, {"matmul": flops}, {"matmul": flops / iterations})
+                  for flops, iterations in newton_schulz_work(run, sizes))
+    return matmuls / run.residual + stream / (hw.hbm_tb_per_s * 1e12)
 
 
 def newton_schulz_flops(run: Workload, sizes: dict[str, int]) -> float:
     """Per device: each iteration of `train/muon.newton_schulz` on an m x n matrix (m <= n) is
     X·Xᵀ (2m²n), its square (2m³) and that times X (2m²n); a weight's matrices are spread whole
     over the devices (`parallel/muon_spread`), so each device runs its share."""
-    total = 0.0
+    return sum(flops for flops, _ in newton_schulz_work(run, sizes))
+
+
+def newton_schulz_work(run: Workload, sizes: dict[str, int]) -> list[tuple[float, int]]:
+    """Per Muon weight: (this device's Newton–Schulz FLOPs, the batched products they run in:
+    three per iteration)."""
+    out = []
     for g in inventory.param_groups(run.cfg):
         if g.optimizer != "muon":
             continue
@@ -250,19 +353,22 @@ def newton_schulz_flops(run: Workload, sizes: dict[str, int]) -> float:
         fan_in = math.prod(g.shape[g.view.batch_axes: g.view.batch_axes + g.view.in_axes])
         fan_out = g.elements // (batch * fan_in)
         m, n = min(fan_in, fan_out), max(fan_in, fan_out)
-        total += inventory.ns_share(g, sizes) * run.ns_steps * (4 * m * m * n + 2 * m ** 3)
-    return total
+        out.append((inventory.ns_share(g, sizes) * run.ns_steps * (4 * m * m * n + 2 * m ** 3), 3 * run.ns_steps))
+    return out
 
 
 def predict(run: Workload, sizes: dict[str, int], network: Network) -> StepTime:
     s, hw = share(run, sizes), run.hw
     by_kernel = flops_by_kernel(run, sizes, s)
     work = sum(by_kernel.values())
-    compute = compute_seconds(run, by_kernel)
+    elementwise = elementwise_seconds(run, sizes, s)
+    compute = compute_seconds(run, by_kernel, call_flops(run, sizes, s)) + elementwise
     fixed: dict[str, float] = {}
     hideable: dict[str, float] = {}
+    # XLA:CPU runs a device's collectives in line with its compute: nothing hides behind it.
+    overlaps = run.hw.target != "cpu"
     for tr in transfers(run, sizes):
-        into = hideable if tr.overlappable else fixed
+        into = hideable if tr.overlappable and overlaps else fixed
         into[tr.axis] = into.get(tr.axis, 0.0) + tr.calls * network.time(tr.op, tr.nbytes, tr.span)
     total_hideable = sum(hideable.values())
     keep = max(0.0, total_hideable - compute) / total_hideable if total_hideable else 0.0
@@ -271,4 +377,4 @@ def predict(run: Workload, sizes: dict[str, int], network: Network) -> StepTime:
     step = compute + sum(exposed.values()) + opt
     model = flops.training_flops_per_token(run.cfg, run.seq_len).total * run.global_batch * run.seq_len
     mfu = model / (step * hw.peak_bf16_tflops * 1e12 * run.devices)
-    return StepTime(compute, exposed, opt, step, mfu, model, work)
+    return StepTime(compute, elementwise, exposed, opt, step, mfu, model, work)
