@@ -194,8 +194,10 @@ def test_step_time_and_mfu_on_one_device_are_compute_and_optimizer():
     assert t.exposed_comm_s == {}
     assert t.step_time_s == pytest.approx(t.compute_s + t.optimizer_s)
     # The nominal 1 TFLOP/s at efficiency 1, and the blocks' elementwise passes at its 0.1 TB/s
-    made = 8 * 64 * TINY.num_hidden_layers * memory.block_bytes_per_token(r, step_time.share(r, mesh_sizes()))
-    assert t.elementwise_s == pytest.approx(step_time.ELEMENTWISE_PASSES * made / 0.1e12)
+    s = step_time.share(r, mesh_sizes())
+    made = 8 * 64 * TINY.num_hidden_layers * memory.block_bytes_per_token(r, s)
+    copies = 2 * TINY.num_hidden_layers * step_time.tile_weight_bytes(r, mesh_sizes(), s)  # the tiled kernel's
+    assert t.elementwise_s == pytest.approx((step_time.ELEMENTWISE_PASSES * made + copies) / 0.1e12)
     assert t.compute_s == pytest.approx(t.hardware_flops / 1e12 + t.elementwise_s)
     assert t.mfu == pytest.approx(t.model_flops / (t.step_time_s * 1e12))
 
@@ -320,8 +322,11 @@ def test_a_matmul_is_priced_at_the_measured_rate_of_its_size():
     assert calls["matmul"] == 2 * 8 * 64 * TINY.hidden_size ** 2
     # every (sequence, head)'s queries against its keys: one batched product
     assert calls["attention"] == 2 * 8 * TINY.num_attention_heads * 64 * 64 * TINY.head_dim
-    want = sum(v / (step_time.curve_rate(curve, calls[k]) * 1e12) for k, v in work.items() if v)
+    # inside a step, the blocks' matmuls reach their measured share of the host's loop rate
+    share = step_time.IN_STEP_MATMUL_SHARE
+    want = sum(v / (share * step_time.curve_rate(curve, calls[k]) * 1e12) for k, v in work.items() if v)
     assert step_time.compute_seconds(r, work, calls) == pytest.approx(want)
+    assert step_time.compute_seconds(r, work, calls, in_step=1.0) == pytest.approx(want * share)
     # A calibration's measured share wins over the curve for its kind
     calibrated = dataclasses.replace(r, efficiencies=(("matmul", 0.5),))
     assert step_time.compute_seconds(calibrated, {"matmul": 1e9}, calls) == pytest.approx(1e9 / 0.1e12)
@@ -349,17 +354,31 @@ def test_kernels_of_static_shape_run_every_row_the_device_holds():
 
 def test_elementwise_work_is_passes_over_the_blocks_activations_and_a_forward_more_under_remat():
     sizes = mesh_sizes()
+    xla = dataclasses.replace(TINY, moe_kernel="xla")  # no tiled weight copies: the blocks' passes alone
     for remat, forwards in (("none", 0), ("full", 1), ("dots", 1)):
-        r = run(hw=MEASURED_CPU, batch=8, seq=64, accum=2, remat=remat)
+        r = run(cfg=xla, hw=MEASURED_CPU, batch=8, seq=64, accum=2, remat=remat)
         s = step_time.share(r, sizes)
         made = TINY.num_hidden_layers * memory.block_bytes_per_token(r, s) * 8 * 64  # both micro-batches
         want = step_time.ELEMENTWISE_PASSES * (3 + forwards) / 3 * made / 0.025e12
         assert step_time.elementwise_seconds(r, sizes, s) == pytest.approx(want), remat
     # Without a measured elementwise rate, the memory bandwidth
-    r = run(hw=dataclasses.replace(MEASURED_CPU, elementwise_tb_per_s=0.0), batch=8, seq=64)
+    r = run(cfg=xla, hw=dataclasses.replace(MEASURED_CPU, elementwise_tb_per_s=0.0), batch=8, seq=64)
     s = step_time.share(r, sizes)
     assert step_time.elementwise_seconds(r, sizes, s) == pytest.approx(
         step_time.ELEMENTWISE_PASSES * TINY.num_hidden_layers * memory.block_bytes_per_token(r, s) * 512 / 0.03e12)
+
+
+def test_the_tiled_grouped_matmul_writes_and_reads_a_copy_of_its_weights_per_tile():
+    r = run(hw=MEASURED_CPU, batch=8, seq=64)  # tiled, the cpu target's default
+    s = step_time.share(r, mesh_sizes())
+    rows, experts = 512, TINY.num_experts
+    tiles = rows / tiled_grouped_matmul.tile_rows(rows, experts) + experts
+    per_layer = 2 * tiles * 3 * TINY.hidden_size * TINY.moe_intermediate_size * 4
+    assert step_time.tile_weight_bytes(r, mesh_sizes(), s) == per_layer
+    plain = dataclasses.replace(r, cfg=dataclasses.replace(TINY, moe_kernel="xla"))
+    extra = step_time.elementwise_seconds(r, mesh_sizes(), s) - step_time.elementwise_seconds(plain, mesh_sizes(), s)
+    assert extra == pytest.approx(2 * TINY.num_hidden_layers * per_layer / 0.025e12)  # forward and backward
+    assert step_time.tile_weight_bytes(run(hw=H100, batch=8, seq=64), mesh_sizes(), s) == 0.0  # Pallas: none
 
 
 def test_collectives_hide_behind_compute_on_a_gpu_and_not_on_a_cpu():

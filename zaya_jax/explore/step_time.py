@@ -45,9 +45,15 @@ F32 = 4
 LINEAR_CHUNK = memory.XLA_CHUNK
 # Elementwise traffic per byte of activation a block makes, forward and backward (norms, rotary,
 # convs, softmax, routing, the experts' dispatch, each read and written, and their gradients):
-# measured on XLA:CPU (tiny_cpu under data 2, profiled: elementwise time x the host's elementwise
-# rate / the block's activations), not derived.
-ELEMENTWISE_PASSES = 18.0
+# measured on XLA:CPU (tiny_cpu under data 2, profiled: the elementwise ops' time at the host's
+# elementwise rate over the blocks' activations), not derived.
+ELEMENTWISE_PASSES = 26.0
+# The share of the host's matmul rate (`zaya bench host`: square matmuls in a loop) the blocks'
+# matmuls reach inside a step: measured on XLA:CPU (tiny_cpu under data 2, profiled: the blocks'
+# dots' FLOPs at the host's rate over their time, 0.43), not derived. Their operands' layout copies, small
+# contractions (router, convs) and the tiled kernel's batched tiles; Newton–Schulz's large batched
+# products reach the full rate.
+IN_STEP_MATMUL_SHARE = 0.45
 # A Newton–Schulz iteration's elementwise work on X (`train/muon.newton_schulz`: a·X + (b·A + c·A²)·X
 # reads X and the product and writes X): passes over the matrices per iteration.
 NS_PASSES = 3
@@ -105,17 +111,18 @@ def flops_by_kernel(run: Workload, sizes: dict[str, int], s: Share) -> dict[str,
     return {kind: value * s.tokens * run.grad_accum for kind, value in per_token.items()}
 
 
-def compute_seconds(run: Workload, work: dict[str, float], per_call: dict[str, float] | None = None) -> float:
+def compute_seconds(run: Workload, work: dict[str, float], per_call: dict[str, float] | None = None,
+                    in_step: float = IN_STEP_MATMUL_SHARE) -> float:
     """Each kind's FLOPs over the rate it runs at, times the calibration's residual. The rate: a
     calibration's measured share of the peak for the kind; else, on a host whose matmuls were
-    measured by size (`HardwareProfile.matmul_curve`), the rate of a matmul of the kind's FLOPs
-    per call (`call_flops`); else the peak times the profile's efficiency."""
+    measured by size (`HardwareProfile.matmul_curve`), `in_step` times the rate of a matmul of the
+    kind's FLOPs per call (`call_flops`); else the peak times the profile's efficiency."""
     peak = run.hw.peak_bf16_tflops * 1e12
 
     def rate(kind: str) -> float:
         if kind in dict(run.efficiencies) or not run.hw.matmul_curve or per_call is None:
             return peak * run.efficiency(kind)
-        return curve_rate(run.hw.matmul_curve, per_call[kind]) * 1e12
+        return in_step * curve_rate(run.hw.matmul_curve, per_call[kind]) * 1e12
 
     return run.residual * sum(value / rate(kind) for kind, value in work.items() if value)
 
@@ -173,12 +180,26 @@ def padded_share(run: Workload, sizes: dict[str, int], s: Share) -> float:
 def elementwise_seconds(run: Workload, sizes: dict[str, int], s: Share) -> float:
     """The blocks' memory-bound work: `ELEMENTWISE_PASSES` times the activations they make (as the
     memory model counts them, `memory.block_bytes_per_token`), a forward more under remat, at the
-    host's measured elementwise rate (else the memory bandwidth); a calibration's residual scales
-    it with the matmuls."""
+    host's measured elementwise rate (else the memory bandwidth), and the tiled grouped matmul's
+    weight copies; a calibration's residual scales it with the matmuls."""
     made = memory.over_layers(run, lambda kind: memory.block_bytes_per_token(run, s, kind))
     recompute = 0 if run.remat == "none" else 1
     traffic = ELEMENTWISE_PASSES * (3 + recompute) / 3 * made * s.tokens * run.grad_accum
+    traffic += tile_weight_bytes(run, sizes, s) * run.cfg.num_hidden_layers * run.grad_accum * (2 + recompute)
     return run.residual * traffic / ((run.hw.elementwise_tb_per_s or run.hw.hbm_tb_per_s) * 1e12)
+
+
+def tile_weight_bytes(run: Workload, sizes: dict[str, int], s: Share) -> float:
+    """The `tiled` grouped matmul's per-tile copies of its expert's weights, one layer, one pass
+    (`kernels/tiled_grouped_matmul`): a one-hot product over the experts, memory-bound (its
+    contraction is the expert count), writes [tiles, K, N] of every weight and the batched product
+    reads them: 2 x tiles x 3·H·I fp32 bytes. Forward and backward gather them (and a forward more
+    under remat)."""
+    if run.backend("grouped_matmul", run.cfg.moe_kernel) != "tiled":
+        return 0.0
+    rows, groups = s.tokens * s.dispatch, run.cfg.num_experts / sizes["expert"]
+    tiles = rows / tiled_grouped_matmul.tile_rows(int(rows), int(groups)) + groups
+    return 2 * tiles * 3 * run.cfg.hidden_size * s.expert_width / sizes["tsp"] * F32
 
 
 def _busiest_causal_share(run: Workload, sizes: dict[str, int]) -> float:
@@ -330,7 +351,7 @@ def optimizer_seconds(run: Workload, sizes: dict[str, int]) -> float:
         inventory.ns_share(g, sizes) * g.elements // math.prod(g.shape[: g.view.batch_axes]) * F32
         for g in inventory.param_groups(run.cfg) if g.optimizer == "muon")
     hw = run.hw
-    matmuls = sum(compute_seconds(run, {"matmul": flops}, {"matmul": flops / iterations})
+    matmuls = sum(compute_seconds(run, {"matmul": flops}, {"matmul": flops / iterations}, in_step=1.0)
                   for flops, iterations in newton_schulz_work(run, sizes))
     return matmuls / run.residual + stream / (hw.hbm_tb_per_s * 1e12)
 
