@@ -1,4 +1,4 @@
-"""Predicted step time of a layout: compute over a derated peak, plus each axis's collectives.
+"""Predicted step time of a layout: compute (matmuls and elementwise work), plus each axis's collectives.
 
 Compute: the device's hardware FLOPs by kernel kind (the model's training FLOPs for its tokens, layer by layer
 of each kind: `flops.layer_mixer_params`, `flops.layer_core_flops`; the part a
@@ -7,7 +7,11 @@ its vocabulary (`vocab` rule), plus the
 recomputation the remat policy adds: a block forward under `full`, the attention core under
 `dots`, a block forward but its experts' matmuls under `moe`, and the chunked loss's logits always) over `peak × efficiency`:
 the hardware profile's `compute_efficiency` for every kind, or each kind's measured share of the
-peak and a measured residual from a calibration file (`explore/calibration.py`).
+peak and a measured residual from a calibration file (`explore/calibration.py`); on a host measured
+by `zaya bench host`, the rate of a matmul of the kind's size (`call_flops`) times the share the
+blocks' matmuls reach inside a step. Kernels of static shape count the rows they run
+(`padded_share`). The blocks' elementwise work is `ELEMENTWISE_PASSES` over their activations at
+the host's elementwise rate or the HBM bandwidth (`elementwise_seconds`).
 The causal attention core of a CCA layer is the busiest sequence device's: the average under
 `mesh.zigzag` (every device the same work, `parallel/zigzag.py`), (2D−1)/D times it with D
 contiguous chunks. A linear layer's core is the same per token on every device (no S in it).
@@ -15,14 +19,16 @@ contiguous chunks. A linear layer's core is the same per token on every device (
 Communication: per axis, the bytes each collective of our schedules moves (`transfers`),
 priced on the links the axis crosses (`collectives.Network`). FSDP's weight gathers, the
 gradient reductions inside the micro-batch loop and TSP's expert ring can overlap compute (XLA's
-scheduler / the ring's design), so together they cost only what exceeds the compute time; tensor,
+scheduler / the ring's design), so together they cost only what exceeds the compute time (on a GPU:
+XLA:CPU runs them in line); tensor,
 sequence (CCA's K/V, linear layers' LASP-2 states), expert and TSP's attention collectives sit
 between dependent matmuls, and with several
 micro-batches the data axis's one reduction comes after the loop (ZeRO-1's weight gather after
 the update, always): those count in full.
 The optimizer adds Muon's Newton–Schulz matmuls (each device its share of whole matrices), the
-exchanges that bring the matrices there and back (after the backward: counted in full), and one
-pass over the state in HBM. MFU = model FLOPs (6N + attention, `train/flops.py`) / (step time × peak × devices).
+exchanges that bring the matrices there and back (after the backward: counted in full), the
+iterations' elementwise passes over the matrices and one pass over the state in HBM. A gradient
+reduction is one collective per stacked weight. MFU = model FLOPs (6N + attention, `train/flops.py`) / (step time × peak × devices).
 """
 
 from __future__ import annotations
@@ -145,9 +151,9 @@ def curve_rate(curve: tuple[tuple[float, float], ...], flops: float) -> float:
 def call_flops(run: Workload, sizes: dict[str, int], s: Share) -> dict[str, float]:
     """FLOPs of one matmul of each kind (`flops_by_kernel`), what sets its rate on a host measured
     by size: a projection of the hidden width over the device's tokens; one expert's rows against
-    its slice of the width; one sequence chunk's queries
-    and one head's keys; one chunk of a linear layer. The tiled grouped matmul's tiles are one
-    batched matmul per expert's rows: it runs at the rate of those rows, not a tile's."""
+    its slice of the width (the tiled kernel's tiles are one batched product: the rate of the
+    expert's rows, not a tile's); the attention core's queries against their keys for every
+    (sequence, head) pair at once, as one batched product; a linear layer's chunks likewise."""
     cfg, h, t = run.cfg, run.cfg.hidden_size, sizes["tensor"]
     q_len = s.tokens / max(s.rows, 1e-9)
     heads = s.rows * s.heads  # (sequence, head) pairs: one batched product over all of them
