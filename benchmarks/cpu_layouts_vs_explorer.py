@@ -197,8 +197,8 @@ def _line(r: dict) -> str:
 def markdown(result: dict) -> str:
     h = result["host"]
     lines = ["# The explorer's step times against measured steps on this CPU (2 devices, one per core)",
-             "", "`tiny_cpu` data 2 fixed the model's one measured constant (`step_time.ELEMENTWISE_PASSES`); the "
-             "other layouts and shapes were not used to fit anything.",
+             "", "The model's two measured constants (`step_time.ELEMENTWISE_PASSES`, `IN_STEP_MATMUL_SHARE`) come from "
+             "profiling `tiny_cpu` under data 2; no step total here was used to fit anything.",
              "", f"Host ({result['machine']}, jax {result['jax']}): matmul {h['matmul_tflops']['float32']:.3g} TFLOP/s "
              f"float32 per device (a 256-wide one {_rate_at(h, 2 * 256 ** 3):.3g}), elementwise "
              f"{h['elementwise_gb_per_s']:.3g} GB/s, memory {h['memory_gb_per_s']:.3g} GB/s (zaya bench host, both devices at "

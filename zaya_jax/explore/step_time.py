@@ -162,10 +162,21 @@ def call_flops(run: Workload, sizes: dict[str, int], s: Share) -> dict[str, floa
             "linear_attention": 2 * heads * q_len * min(LINEAR_CHUNK, q_len) * cfg.head_dim}
 
 
+def held_rows(run: Workload, sizes: dict[str, int], s: Share) -> tuple[float, float]:
+    """(every row the device's experts see: its own and, under expert parallelism, those gathered
+    from the other owners; its local experts)."""
+    return s.tokens * s.dispatch, run.cfg.num_experts / sizes["expert"]
+
+
+def tile(rows: float, experts: float) -> int:
+    """The `tiled` grouped matmul's rows per tile for these rows and experts."""
+    return tiled_grouped_matmul.tile_rows(int(rows), int(experts))
+
+
 def expert_call_rows(run: Workload, sizes: dict[str, int], s: Share) -> float:
-    """Rows one local expert's matmul multiplies: its share of every row the device holds (its own
-    and, under expert parallelism, those gathered from the other owners)."""
-    return s.tokens * s.dispatch / (run.cfg.num_experts / sizes["expert"])
+    """Rows one local expert's matmul multiplies: its share of every row the device holds."""
+    rows, experts = held_rows(run, sizes, s)
+    return rows / experts
 
 
 def padded_share(run: Workload, sizes: dict[str, int], s: Share) -> float:
@@ -175,9 +186,9 @@ def padded_share(run: Workload, sizes: dict[str, int], s: Share) -> float:
     XLA:CPU's `ragged_dot` runs every row against every local expert. A ragged GPU kernel (Pallas)
     skips what is not its own."""
     backend = run.backend("grouped_matmul", run.cfg.moe_kernel)
-    rows, groups = s.tokens * s.dispatch, run.cfg.num_experts / sizes["expert"]
+    rows, groups = held_rows(run, sizes, s)
     if backend == "tiled":
-        return (rows + groups * tiled_grouped_matmul.tile_rows(int(rows), int(groups))) / s.tokens
+        return (rows + groups * tile(rows, groups)) / s.tokens
     if backend == "xla" and run.hw.target == "cpu":
         return groups * rows / s.tokens
     return 1.0
@@ -203,8 +214,8 @@ def tile_weight_bytes(run: Workload, sizes: dict[str, int], s: Share) -> float:
     under remat)."""
     if run.backend("grouped_matmul", run.cfg.moe_kernel) != "tiled":
         return 0.0
-    rows, groups = s.tokens * s.dispatch, run.cfg.num_experts / sizes["expert"]
-    tiles = rows / tiled_grouped_matmul.tile_rows(int(rows), int(groups)) + groups
+    rows, groups = held_rows(run, sizes, s)
+    tiles = rows / tile(rows, groups) + groups
     return 2 * tiles * 3 * run.cfg.hidden_size * s.expert_width / sizes["tsp"] * F32
 
 
@@ -357,9 +368,10 @@ def optimizer_seconds(run: Workload, sizes: dict[str, int]) -> float:
         inventory.ns_share(g, sizes) * g.elements // math.prod(g.shape[: g.view.batch_axes]) * F32
         for g in inventory.param_groups(run.cfg) if g.optimizer == "muon")
     hw = run.hw
-    matmuls = sum(compute_seconds(run, {"matmul": flops}, {"matmul": flops / iterations}, in_step=1.0)
+    unscaled = dataclasses.replace(run, residual=1.0)  # the residual is the blocks' compute's, not this
+    matmuls = sum(compute_seconds(unscaled, {"matmul": flops}, {"matmul": flops / iterations}, in_step=1.0)
                   for flops, iterations in newton_schulz_work(run, sizes))
-    return matmuls / run.residual + stream / (hw.hbm_tb_per_s * 1e12)
+    return matmuls + stream / (hw.hbm_tb_per_s * 1e12)
 
 
 def newton_schulz_flops(run: Workload, sizes: dict[str, int]) -> float:
