@@ -127,14 +127,21 @@ def test_remat_full_keeps_only_block_inputs():
 
 
 def test_cpu_ragged_dot_operands_are_priced_for_the_xla_grouped_matmul_on_a_cpu_device_only():
+    """Per (local expert, row), fp32 values: the larger of the down product's backward (its masked
+    cotangent twice, the kept masked inputs H + W, the byte mask H/4) and the gate/up's (its masked
+    cotangent twice 2·2W, the down's masked input W, its own twice 2H, the mask) — as read off
+    XLA's buffers (tests/test_xla_terms.py)."""
     sizes = mesh_sizes(expert=2, data=4)
     cpu = run(TINY.replace(moe_kernel="xla"), hw=hardware.profile("cpu"))
     local_experts, rows = 4 / 2, 16 * 64 / 8 * 2  # the expert axis gathers 2 devices' tokens
-    assert memory.cpu_kernel_bytes(cpu, sizes, share(cpu, sizes)) == local_experts * rows * 2 * (64 + 32) * 4
+    gate_up_backward = 5 * 32 + 2 * 64 + 64 / 4  # W = 32: larger than the down's 3·64 + 32 + 16
+    assert memory.cpu_kernel_bytes(cpu, sizes, share(cpu, sizes)) == local_experts * rows * gate_up_backward * 4
     unrolled = dataclasses.replace(cpu, scan_unroll=2)  # straight-line layers keep the forward's too
-    assert memory.cpu_kernel_bytes(unrolled, sizes, share(cpu, sizes)) == local_experts * rows * 3 * (64 + 32) * 4
-    tsp = mesh_sizes(tsp=2, data=4)  # a ring step's slice of the width
-    assert memory.cpu_kernel_bytes(cpu, tsp, share(cpu, tsp)) == 4 * (16 * 64 / 8) * 2 * (64 + 16) * 4
+    assert memory.cpu_kernel_bytes(unrolled, sizes, share(cpu, sizes)) == \
+        local_experts * rows * (gate_up_backward + 64 + 32) * 4
+    tsp = mesh_sizes(tsp=8)  # a ring step's slice of the width, W = 4: the down's backward is larger
+    down_backward = 3 * 64 + 4 + 64 / 4
+    assert memory.cpu_kernel_bytes(cpu, tsp, share(cpu, tsp)) == 4 * (16 * 64 / 8) * down_backward * 4  # TSP splits the tokens too
     gpu, tiled = run(TINY.replace(moe_kernel="xla"), hw=H100), run(TINY.replace(moe_kernel="tiled"), hw=hardware.profile("cpu"))
     for r in (gpu, tiled):
         assert memory.cpu_kernel_bytes(r, sizes, share(r, sizes)) == 0

@@ -146,3 +146,39 @@ def test_a_loops_carried_buffers_are_live_at_the_peak_not_fragmentation():
     stacked = 16 * 256 * 256 * 4
     assert max(b.bytes for b in buffers) >= stacked
     assert terms["fragmentation"] < 0.1 * total
+
+
+def test_ragged_dots_masked_operands_are_kernel_buffers_in_every_scope_and_rank():
+    """XLA:CPU's ragged_dot masks its operand per expert, [E, rows, K], and flattens it to
+    [rows, E·K] for the weight gradient; in the backward the op names read
+    `transpose(jvp(grouped_matmul_xla))/select_n`. All are the kernel's; the product's own
+    [rows, width] result stays an activation."""
+    scopes = ("jit(train_step)/jvp()/block/moe/experts/grouped_matmul_xla/select_n",
+              "jit(train_step)/transpose(jvp())/block/moe/experts/transpose(jvp(grouped_matmul_xla))/select_n",
+              "jit(train_step)/transpose(jvp())/block/moe/experts/jvp(grouped_matmul_xla)/and")
+    flat = [xla_terms.Buffer(f"fusion.{i}", 256 * 1280 * 4, "f32[256,1280]", "fusion", name)
+            for i, name in enumerate(scopes)]
+    product = xla_terms.Buffer("fusion.9", 256 * 160 * 4, "f32[256,160]", "fusion",
+                               "jit(train_step)/jvp()/block/moe/experts/jvp(grouped_matmul_xla)/dot_general")
+    assert [xla_terms.term_of(b, set()) for b in flat + [product]] == ["kernel"] * 3 + ["stored_activations"]
+
+
+def test_a_compiled_xla_grouped_matmul_backward_puts_every_masked_operand_in_kernel():
+    """On XLA's own output: the experts' forward and backward through the `xla` backend, compiled
+    for this CPU. At the peak every buffer a mask made is `kernel`, and they are the bulk of it."""
+    from zaya_jax.model import moe
+
+    rows, experts, hidden, width = 512, 4, 128, 64
+
+    def loss(xs, gate_up, down, sizes):
+        return jnp.sum(moe.fused_swiglu(xs, sizes, gate_up, down, "xla") ** 2)
+
+    args = (jax.ShapeDtypeStruct((rows, hidden), jnp.float32),
+            jax.ShapeDtypeStruct((experts, hidden, 2 * width), jnp.float32),
+            jax.ShapeDtypeStruct((experts, width, hidden), jnp.float32), jax.ShapeDtypeStruct((experts,), jnp.int32))
+    with xla_terms.dumping() as (options, read_peak):
+        jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(*args).compile(options)
+        buffers = read_peak()
+    masked = [b for b in buffers if b.op_name.endswith(xla_terms.MASKING_OPS) and "grouped_matmul_xla" in b.op_name]
+    assert masked and {xla_terms.term_of(b, set()) for b in masked} == {"kernel"}
+    assert sum(b.bytes for b in masked) >= 2 * experts * rows * hidden * 4  # at least two [E, rows, H] copies

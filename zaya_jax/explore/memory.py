@@ -248,18 +248,23 @@ def stored_weight_bytes(run: Workload, sizes: dict[str, int]) -> float:
 
 def cpu_kernel_bytes(run: Workload, sizes: dict[str, int], s: Share) -> float:
     """XLA:CPU's form of `ragged_dot` (the `xla` grouped matmul compiled for a CPU device) multiplies
-    every row by every local expert and keeps the masked [local experts, rows, K] operands: at the
-    backward's peak about 2·(H + I) fp32 values per (expert, row), I the width one pass computes (a
-    TSP ring step's slice), and (H + I) more from the forward where unrolled layers keep them. No
-    GPU kernel has them."""
+    every row by every local expert through masked operands, [local experts, rows, K] and flattened
+    [rows, experts·K]. At the backward's peak, per (expert, row), in fp32 values (W the width one
+    pass computes: a TSP ring step's slice): the down product's backward holds its masked cotangent
+    twice (2H), the masked inputs the forward kept for the weight gradients (H for gate/up, W for
+    down) and the mask (a byte per H); the gate/up backward its masked cotangent twice (2·2W), the
+    down's masked input, its own twice (2H) and the mask. The larger of the two, read off XLA's
+    buffers at the peak (`explore/xla_terms.py`). Unrolled layers without remat keep every layer's
+    forward inputs (H + W more). No GPU kernel has them."""
     if run.hw.target != "cpu" or run.backend("grouped_matmul", run.cfg.moe_kernel) != "xla":
         return 0.0
     local_experts = run.cfg.num_experts / sizes["expert"]
-    width = s.expert_width / sizes["tsp"]
-    # Several layers per scan iteration without remat are straight-line code in which XLA keeps the
-    # forward's masked operands for the backward too.
-    kept = 1 if run.remat == "none" and run.scan_unroll > 1 else 0
-    return local_experts * s.tokens * s.dispatch * (2 + kept) * (run.cfg.hidden_size + width) * F32
+    h, w = run.cfg.hidden_size, s.expert_width / sizes["tsp"]
+    mask = h / F32
+    per_row = max(3 * h + w + mask, 5 * w + 2 * h + mask)
+    if run.remat == "none" and run.scan_unroll > 1:
+        per_row += h + w
+    return local_experts * s.tokens * s.dispatch * per_row * F32
 
 
 def muon_temporaries(run: Workload, sizes: dict[str, int]) -> float:

@@ -14,10 +14,11 @@ counted once). Each buffer live there goes to one term, by what made it (`term_o
   update              made outside the differentiated step: the optimizer and balancer update
   stored_activations  made by the forward (`jvp(...)`): what the backward will read
   block_working_set   made by the backward: one block's gradients of its activations
-  kernel              made inside a kernel's CPU-only form (`CPU_ONLY_SCOPES`: XLA:CPU's masked
-                      [experts, rows, K] copies in `ragged_dot`, the `tiled` grouped matmul's
-                      per-tile copies of rows and weights); no GPU kernel has them. The backward's
-                      per-expert weight products there are gradients
+  kernel              made inside a kernel's CPU-only form or its derivative (`CPU_ONLY_SCOPES`:
+                      XLA:CPU's masked [experts, rows, K] copies in `ragged_dot`, flattened to
+                      [rows, experts·K] or not, the `tiled` grouped matmul's per-tile copies of rows
+                      and weights); no GPU kernel has them. The backward's per-expert weight
+                      products there are gradients
   xla_copies          copies XLA added between loop buffers, with no source op
 and `fragmentation`: what XLA reserves beyond the bytes live at the peak (how the temporaries
 pack). The terms sum to XLA's argument + temporary + output − aliased bytes.
@@ -41,7 +42,10 @@ TERMS = ("parameters", "gradients", "optimizer", "inputs", "stored_activations",
 CPU_ONLY_TERMS = ("kernel",)  # a GPU backend holds every other term too
 # Grouped-matmul backends whose CPU form holds buffers no GPU kernel has (`kernels/ops.py` names
 # the scopes): XLA's CPU expansion of ragged_dot ([G, M, K] masked copies), the tiled form's tiles.
-CPU_ONLY_SCOPES = ("grouped_matmul_xla/", "grouped_matmul_tiled/")
+CPU_ONLY_SCOPES = ("grouped_matmul_xla", "grouped_matmul_tiled")
+# The masks of ragged_dot's CPU expansion: its masked operands, [experts, rows, K] or flattened to
+# [rows, experts·K], whatever their rank.
+MASKING_OPS = ("/select_n", "/and")
 COLLECTIVES = ("all-gather", "all-to-all", "collective-permute", "all-reduce", "reduce-scatter",
                "all-gather-start", "all-gather-done", "collective-permute-start", "collective-permute-done",
                "all-reduce-start", "all-reduce-done")
@@ -246,6 +250,12 @@ def _param_shapes(buffers: list[Buffer]) -> set[str]:
     return shapes
 
 
+def _cpu_only_scope(op_name: str) -> bool:
+    """Made inside a CPU-only kernel form: its scope, or its derivative's (`jvp(grouped_matmul_xla)/`,
+    `transpose(jvp(grouped_matmul_xla))/`)."""
+    return any(re.search(re.escape(scope) + r"\)*/", op_name) for scope in CPU_ONLY_SCOPES)
+
+
 def term_of(b: Buffer, param_shapes: set[str]) -> str:
     name = b.op_name
     if name.startswith("state.params"):
@@ -257,7 +267,7 @@ def term_of(b: Buffer, param_shapes: set[str]) -> str:
     backward = "transpose(" in name
     if b.shape in param_shapes and (backward or not name):
         return "gradients"
-    if any(scope in name for scope in CPU_ONLY_SCOPES) and _rank(b.shape) >= 3:
+    if _cpu_only_scope(name) and (_rank(b.shape) >= 3 or name.endswith(MASKING_OPS)):
         if backward and b.opcode == "dot":
             return "gradients"  # the experts' per-expert weight gradient, before its reduce-scatter
         return "kernel"  # the product's own [rows, width] operands and result are activations
