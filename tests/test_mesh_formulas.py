@@ -388,6 +388,27 @@ def test_the_tiled_grouped_matmul_writes_and_reads_a_copy_of_its_weights_per_til
     assert step_time.tile_weight_bytes(run(hw=H100, batch=8, seq=64), mesh_sizes(), s) == 0.0  # Pallas: none
 
 
+def test_the_tsp_rings_backward_runs_the_experts_forward_again():
+    """`parallel/tsp_experts.py`'s backward recomputes each slice's products from the tokens, whatever
+    the remat policy: one more forward of the experts' matmuls, of their elementwise work, and of
+    the tiled kernel's weight copies, whose ring steps copy a slice each (the whole width in all)."""
+    for remat, forwards in (("none", 3), ("full", 4), ("moe", 3)):
+        r = run(hw=MEASURED_CPU, remat=remat, batch=8, seq=64)
+        data, tsp = mesh_sizes(data=2), mesh_sizes(tsp=2)
+        plain = step_time.flops_by_kernel(r, data, step_time.share(r, data))["grouped_matmul"]
+        ring = step_time.flops_by_kernel(r, tsp, step_time.share(r, tsp))["grouped_matmul"]
+        padded = step_time.padded_share(r, tsp, step_time.share(r, tsp)) / step_time.padded_share(r, data, step_time.share(r, data))
+        assert ring / padded == pytest.approx(plain * (forwards + 1) / forwards), remat
+    r, sizes = run(hw=MEASURED_CPU, batch=8, seq=64), mesh_sizes(tsp=2)
+    s = step_time.share(r, sizes)
+    copies = step_time.tile_weight_bytes(r, sizes, s)
+    assert copies == 2 * (256 / tiled_grouped_matmul.tile_rows(256, 4) + 4) * 3 * TINY.hidden_size * TINY.moe_intermediate_size * 4
+    experts = TINY.num_hidden_layers * memory.moe_bytes(r, s)["experts"] * 256
+    made = TINY.num_hidden_layers * memory.block_bytes_per_token(r, s) * 256
+    want = (step_time.ELEMENTWISE_PASSES * (made + experts / 3) + 3 * TINY.num_hidden_layers * copies) / 0.025e12
+    assert step_time.elementwise_seconds(r, sizes, s) == pytest.approx(want)
+
+
 def test_collectives_hide_behind_compute_on_a_gpu_and_not_on_a_cpu():
     sizes = mesh_sizes(fsdp=8)
     for hw, hidden in ((H100, True), (MEASURED_CPU, False)):

@@ -110,11 +110,18 @@ def flops_by_kernel(run: Workload, sizes: dict[str, int], s: Share) -> dict[str,
     experts = cfg.num_hidden_layers * 2 * flops.expert_params(cfg) / t
     recompute = {"full": (1, 1, 1), "dots": (0, 0, 1), "moe": (1, 0, 1)}.get(run.remat, (0, 0, 0))
     per_token = {"matmul": (3 + recompute[0]) * dense + 8 * head,
-                 "grouped_matmul": (3 + recompute[1]) * experts,
+                 "grouped_matmul": (3 + recompute[1] + ring_recompute(sizes)) * experts,
                  "attention": (3 + recompute[2]) * core.get("C", 0.0),
                  "linear_attention": (3 + recompute[2]) * core.get("L", 0.0)}
     per_token["grouped_matmul"] *= padded_share(run, sizes, s)
     return {kind: value * s.tokens * run.grad_accum for kind, value in per_token.items()}
+
+
+def ring_recompute(sizes: dict[str, int]) -> int:
+    """Forwards of the experts the TSP ring's backward runs again: it recomputes each slice's
+    products from the tokens (`parallel/tsp_experts.py` saves nothing else), whatever the remat
+    policy already recomputed."""
+    return 1 if sizes["tsp"] > 1 else 0
 
 
 def compute_seconds(run: Workload, work: dict[str, float], per_call: dict[str, float] | None = None,
@@ -196,13 +203,17 @@ def padded_share(run: Workload, sizes: dict[str, int], s: Share) -> float:
 
 def elementwise_seconds(run: Workload, sizes: dict[str, int], s: Share) -> float:
     """The blocks' memory-bound work: `ELEMENTWISE_PASSES` times the activations they make (as the
-    memory model counts them, `memory.block_bytes_per_token`), a forward more under remat, at the
+    memory model counts them, `memory.block_bytes_per_token`), a forward more under remat (and the
+    experts' forward again in the TSP ring's backward, `ring_recompute`), at the
     host's measured elementwise rate (else the memory bandwidth), and the tiled grouped matmul's
     weight copies; a calibration's residual scales it with the matmuls."""
     made = memory.over_layers(run, lambda kind: memory.block_bytes_per_token(run, s, kind))
     recompute = 0 if run.remat == "none" else 1
     traffic = ELEMENTWISE_PASSES * (3 + recompute) / 3 * made * s.tokens * run.grad_accum
-    traffic += tile_weight_bytes(run, sizes, s) * run.cfg.num_hidden_layers * run.grad_accum * (2 + recompute)
+    ring = run.cfg.num_hidden_layers * memory.moe_bytes(run, s)["experts"] * ring_recompute(sizes)
+    traffic += ELEMENTWISE_PASSES / 3 * ring * s.tokens * run.grad_accum
+    traffic += tile_weight_bytes(run, sizes, s) * run.cfg.num_hidden_layers * run.grad_accum * (
+        2 + recompute + ring_recompute(sizes))
     return run.residual * traffic / ((run.hw.elementwise_tb_per_s or run.hw.hbm_tb_per_s) * 1e12)
 
 
@@ -210,13 +221,14 @@ def tile_weight_bytes(run: Workload, sizes: dict[str, int], s: Share) -> float:
     """The `tiled` grouped matmul's per-tile copies of its expert's weights, one layer, one pass
     (`kernels/tiled_grouped_matmul`): a one-hot product over the experts, memory-bound (its
     contraction is the expert count), writes [tiles, K, N] of every weight and the batched product
-    reads them: 2 x tiles x 3·H·I fp32 bytes. Forward and backward gather them (and a forward more
-    under remat)."""
+    reads them: 2 x tiles x 3·H·I fp32 bytes (a TSP ring's steps copy a slice each: the whole width
+    in all). Forward and backward gather them (and a forward more under remat, and in the ring's
+    backward)."""
     if run.backend("grouped_matmul", run.cfg.moe_kernel) != "tiled":
         return 0.0
     rows, groups = held_rows(run, sizes, s)
     tiles = rows / tile(rows, groups) + groups
-    return 2 * tiles * 3 * run.cfg.hidden_size * s.expert_width / sizes["tsp"] * F32
+    return 2 * tiles * 3 * run.cfg.hidden_size * s.expert_width * F32
 
 
 def _busiest_causal_share(run: Workload, sizes: dict[str, int]) -> float:
