@@ -170,3 +170,15 @@ def test_a_hybrids_predicted_memory_is_within_the_usual_band_of_xla():
                                sizes)
     assert got["argument_bytes"] == pytest.approx(predicted.param_bytes + predicted.optimizer_bytes, rel=0.02)
     assert predicted.total_bytes == pytest.approx(got["argument_bytes"] + got["temp_bytes"], rel=0.2)
+
+
+def test_lasp2_adds_its_state_reduction_and_the_entering_states_read_on_a_split_sequence():
+    """`parallel/lasp2.py` runs `chunk_state` (each query head's kᵀv over the device's chunks) and
+    the kernel reads the entering state (q·M) on top of the kernel's own work: 2·d² FLOPs per query
+    head and token each, forward; three times that in training. An unsplit sequence has neither."""
+    r = run(remat="none")
+    linear = lambda sizes: step_time.flops_by_kernel(r, sizes, step_time.share(r, sizes))["linear_attention"]  # noqa: E731
+    tokens = 16 * 64 / 2
+    extra = 3 * (2 + 2) * HYBRID.num_attention_heads * HYBRID.head_dim ** 2 * tokens  # one linear layer
+    assert linear(mesh_sizes(sequence=2)) == pytest.approx(linear(mesh_sizes(data=2)) + extra)
+    assert linear(mesh_sizes(tsp=2)) == pytest.approx(linear(mesh_sizes(data=2)) + extra)

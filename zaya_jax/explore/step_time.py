@@ -106,6 +106,8 @@ def flops_by_kernel(run: Workload, sizes: dict[str, int], s: Share) -> dict[str,
     # Causal imbalance is CCA's: a linear layer's core is the same per token on every device.
     imbalance = {"C": _busiest_causal_share(run, sizes), "L": 1.0}
     core = {k: kinds.count(k) * flops.layer_core_flops(cfg, k, run.seq_len) / 3 / t * imbalance[k] for k in present}
+    if "L" in core and math.prod(sizes[a] for a in SEQUENCE_AXES) > 1:
+        core["L"] += kinds.count("L") * lasp2_state_flops(cfg) / t
     dense = sum(kinds.count(k) * 2 * (flops.layer_mixer_params(cfg, k) / t + repeated) for k in present)
     experts = cfg.num_hidden_layers * 2 * flops.expert_params(cfg) / t
     recompute = {"full": (1, 1, 1), "dots": (0, 0, 1), "moe": (1, 0, 1)}.get(run.remat, (0, 0, 0))
@@ -115,6 +117,14 @@ def flops_by_kernel(run: Workload, sizes: dict[str, int], s: Share) -> dict[str,
                  "linear_attention": (3 + recompute[2]) * core.get("L", 0.0)}
     per_token["grouped_matmul"] *= padded_share(run, sizes, s)
     return {kind: value * s.tokens * run.grad_accum for kind, value in per_token.items()}
+
+
+def lasp2_state_flops(cfg) -> float:
+    """Forward FLOPs per token LASP-2 adds on a split sequence (`parallel/lasp2.py`), beside the
+    linear-attention kernel's own: each query head's kᵀv over the device's chunks into the state it
+    shares (`linear_attention.chunk_state`) and every token's read of the state entering its chunk
+    (`initial_term`, q·M), 2·d² per query head each."""
+    return 2 * 2.0 * cfg.num_attention_heads * cfg.head_dim ** 2
 
 
 def ring_recompute(sizes: dict[str, int]) -> int:
