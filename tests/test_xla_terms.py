@@ -160,7 +160,10 @@ def test_ragged_dots_masked_operands_are_kernel_buffers_in_every_scope_and_rank(
             for i, name in enumerate(scopes)]
     product = xla_terms.Buffer("fusion.9", 256 * 160 * 4, "f32[256,160]", "fusion",
                                "jit(train_step)/jvp()/block/moe/experts/jvp(grouped_matmul_xla)/dot_general")
-    assert [xla_terms.term_of(b, set()) for b in flat + [product]] == ["kernel"] * 3 + ["stored_activations"]
+    zeroed = xla_terms.Buffer("fusion.8", 256 * 160 * 4, "f32[256,160]", "fusion",  # rows past the groups
+                              "jit(train_step)/jvp()/block/moe/experts/grouped_matmul_xla/jit(_where)/select_n")
+    assert [xla_terms.term_of(b, set()) for b in flat + [product, zeroed]] == \
+        ["kernel"] * 3 + ["stored_activations"] * 2
 
 
 def test_a_compiled_xla_grouped_matmul_backward_puts_every_masked_operand_in_kernel():
@@ -179,6 +182,13 @@ def test_a_compiled_xla_grouped_matmul_backward_puts_every_masked_operand_in_ker
     with xla_terms.dumping() as (options, read_peak):
         jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(*args).compile(options)
         buffers = read_peak()
-    masked = [b for b in buffers if b.op_name.endswith(xla_terms.MASKING_OPS) and "grouped_matmul_xla" in b.op_name]
+    # By shape: a masked operand is [experts, rows, K] or [rows, experts·K], K the hidden width or
+    # the product's (fp32, or its mask); the products themselves are [rows, N].
+    widths = (hidden, width, 2 * width)
+    operand = {f"[{experts},{rows},{k}]" for k in widths} | {f"[{rows},{experts * k}]" for k in widths}
+    in_kernel = [b for b in buffers if "grouped_matmul_xla" in b.op_name]
+    masked = [b for b in in_kernel if b.shape[b.shape.index("["):] in operand]
+    products = [b for b in in_kernel if b.shape in {f"f32[{rows},{n}]" for n in widths}]
     assert masked and {xla_terms.term_of(b, set()) for b in masked} == {"kernel"}
+    assert "kernel" not in {xla_terms.term_of(b, set()) for b in products}
     assert sum(b.bytes for b in masked) >= 2 * experts * rows * hidden * 4  # at least two [E, rows, H] copies

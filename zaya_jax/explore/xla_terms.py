@@ -43,9 +43,10 @@ CPU_ONLY_TERMS = ("kernel",)  # a GPU backend holds every other term too
 # Grouped-matmul backends whose CPU form holds buffers no GPU kernel has (`kernels/ops.py` names
 # the scopes): XLA's CPU expansion of ragged_dot ([G, M, K] masked copies), the tiled form's tiles.
 CPU_ONLY_SCOPES = ("grouped_matmul_xla", "grouped_matmul_tiled")
-# The masks of ragged_dot's CPU expansion: its masked operands, [experts, rows, K] or flattened to
-# [rows, experts·K], whatever their rank.
-MASKING_OPS = ("/select_n", "/and")
+# ragged_dot's CPU expansion masks its operand per expert, [experts, rows, K] or flattened to
+# [rows, experts·K], by a select (and its mask's `and`) made in the kernel's own scope; the
+# `jnp.where` that zeroes the product's rows past the groups is the product, an activation.
+_RAGGED_MASK = re.compile(r"grouped_matmul_xla\)*/(select_n|and)$")
 COLLECTIVES = ("all-gather", "all-to-all", "collective-permute", "all-reduce", "reduce-scatter",
                "all-gather-start", "all-gather-done", "collective-permute-start", "collective-permute-done",
                "all-reduce-start", "all-reduce-done")
@@ -267,7 +268,7 @@ def term_of(b: Buffer, param_shapes: set[str]) -> str:
     backward = "transpose(" in name
     if b.shape in param_shapes and (backward or not name):
         return "gradients"
-    if _cpu_only_scope(name) and (_rank(b.shape) >= 3 or name.endswith(MASKING_OPS)):
+    if _cpu_only_scope(name) and (_rank(b.shape) >= 3 or _RAGGED_MASK.search(name)):
         if backward and b.opcode == "dot":
             return "gradients"  # the experts' per-expert weight gradient, before its reduce-scatter
         return "kernel"  # the product's own [rows, width] operands and result are activations
