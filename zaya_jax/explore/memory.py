@@ -246,6 +246,12 @@ def stored_weight_bytes(run: Workload, sizes: dict[str, int]) -> float:
     return run.cfg.num_hidden_layers * expert_weights(run, sizes)
 
 
+def held_rows(run: Workload, sizes: dict[str, int], s: Share) -> tuple[float, float]:
+    """(every row the device's experts see: its own and, under expert parallelism, those gathered
+    from the other owners; its local experts)."""
+    return s.tokens * s.dispatch, run.cfg.num_experts / sizes["expert"]
+
+
 def cpu_kernel_bytes(run: Workload, sizes: dict[str, int], s: Share) -> float:
     """XLA:CPU's form of `ragged_dot` (the `xla` grouped matmul compiled for a CPU device) multiplies
     every row by every local expert through masked operands, [local experts, rows, K] and flattened
@@ -258,20 +264,24 @@ def cpu_kernel_bytes(run: Workload, sizes: dict[str, int], s: Share) -> float:
     forward inputs (H + W more). No GPU kernel has them."""
     if run.hw.target != "cpu" or run.backend("grouped_matmul", run.cfg.moe_kernel) != "xla":
         return 0.0
-    local_experts = run.cfg.num_experts / sizes["expert"]
+    rows, local_experts = held_rows(run, sizes, s)
     h, w = run.cfg.hidden_size, s.expert_width / sizes["tsp"]
     mask = h / F32
     per_row = max(3 * h + w + mask, 5 * w + 2 * h + mask)
     if run.remat == "none" and run.scan_unroll > 1:
         per_row += h + w
-    return local_experts * s.tokens * s.dispatch * per_row * F32
+    return local_experts * rows * per_row * F32
+
+
+def ns_matrix_bytes(group: inventory.ParamGroup, sizes: dict[str, int]) -> float:
+    """fp32 bytes of the whole matrices of a Muon weight one device orthogonalises (`inventory.ns_share`)."""
+    return inventory.ns_share(group, sizes) * group.elements / math.prod(group.shape[: group.view.batch_axes]) * F32
 
 
 def muon_temporaries(run: Workload, sizes: dict[str, int]) -> float:
-    """Newton–Schulz works on one weight at a time, its matrices spread whole over the devices
-    (`inventory.ns_share`): about three fp32 copies of the largest device share."""
-    muon = [g for g in inventory.param_groups(run.cfg) if g.optimizer == "muon"]
-    share = [inventory.ns_share(g, sizes) * g.elements / math.prod(g.shape[: g.view.batch_axes]) * F32 for g in muon]
+    """Newton–Schulz works on one weight at a time, its matrices spread whole over the devices:
+    about three fp32 copies of the largest device share (`ns_matrix_bytes`)."""
+    share = [ns_matrix_bytes(g, sizes) for g in inventory.param_groups(run.cfg) if g.optimizer == "muon"]
     return 3 * max(share) if share else 0.0
 
 

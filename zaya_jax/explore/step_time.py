@@ -179,12 +179,6 @@ def call_flops(run: Workload, sizes: dict[str, int], s: Share) -> dict[str, floa
             "linear_attention": 2 * heads * q_len * min(LINEAR_CHUNK, q_len) * cfg.head_dim}
 
 
-def held_rows(run: Workload, sizes: dict[str, int], s: Share) -> tuple[float, float]:
-    """(every row the device's experts see: its own and, under expert parallelism, those gathered
-    from the other owners; its local experts)."""
-    return s.tokens * s.dispatch, run.cfg.num_experts / sizes["expert"]
-
-
 def tile(rows: float, experts: float) -> int:
     """The `tiled` grouped matmul's rows per tile for these rows and experts."""
     return tiled_grouped_matmul.tile_rows(int(rows), int(experts))
@@ -192,7 +186,7 @@ def tile(rows: float, experts: float) -> int:
 
 def expert_call_rows(run: Workload, sizes: dict[str, int], s: Share) -> float:
     """Rows one local expert's matmul multiplies: its share of every row the device holds."""
-    rows, experts = held_rows(run, sizes, s)
+    rows, experts = memory.held_rows(run, sizes, s)
     return rows / experts
 
 
@@ -203,7 +197,7 @@ def padded_share(run: Workload, sizes: dict[str, int], s: Share) -> float:
     XLA:CPU's `ragged_dot` runs every row against every local expert. A ragged GPU kernel (Pallas)
     skips what is not its own."""
     backend = run.backend("grouped_matmul", run.cfg.moe_kernel)
-    rows, groups = held_rows(run, sizes, s)
+    rows, groups = memory.held_rows(run, sizes, s)
     if backend == "tiled":
         return (rows + groups * tile(rows, groups)) / s.tokens
     if backend == "xla" and run.hw.target == "cpu":
@@ -236,7 +230,7 @@ def tile_weight_bytes(run: Workload, sizes: dict[str, int], s: Share) -> float:
     backward)."""
     if run.backend("grouped_matmul", run.cfg.moe_kernel) != "tiled":
         return 0.0
-    rows, groups = held_rows(run, sizes, s)
+    rows, groups = memory.held_rows(run, sizes, s)
     tiles = rows / tile(rows, groups) + groups
     return 2 * tiles * 3 * run.cfg.hidden_size * s.expert_width * F32
 
@@ -387,8 +381,7 @@ def optimizer_seconds(run: Workload, sizes: dict[str, int]) -> float:
     state = inventory.state_bytes(run.cfg, sizes, run.zero1)
     stream = 3 * (state.params + state.grads + state.optimizer)  # read grads and state, write state
     stream += NS_PASSES * run.ns_steps * sum(
-        inventory.ns_share(g, sizes) * g.elements // math.prod(g.shape[: g.view.batch_axes]) * F32
-        for g in inventory.param_groups(run.cfg) if g.optimizer == "muon")
+        memory.ns_matrix_bytes(g, sizes) for g in inventory.param_groups(run.cfg) if g.optimizer == "muon")
     hw = run.hw
     unscaled = dataclasses.replace(run, residual=1.0)  # the residual is the blocks' compute's, not this
     matmuls = sum(compute_seconds(unscaled, {"matmul": flops}, {"matmul": flops / iterations}, in_step=1.0)
