@@ -167,6 +167,18 @@ def test_the_update_is_the_peak_on_cpu_when_the_gradients_outweigh_the_activatio
     assert "update_copies" not in memory.predict(run(batch=1, seq=8, hw=H100), mesh_sizes()).parts
 
 
+def test_accumulated_gradients_are_two_sets_in_the_backward_and_one_at_the_update():
+    """The backward holds the running sum and this micro-batch's gradients; by the update the last
+    micro-batch is in the sum (an H200's XLA at ZAYA1 width, 31 layers, 4 micro-batches: one set,
+    benchmarks/gpu_memory_vs_explorer_h200.md)."""
+    cpu = hardware.profile("cpu")
+    one = memory.predict(run(batch=1, seq=8, hw=cpu), mesh_sizes())
+    update = memory.predict(run(batch=2, seq=8, accum=2, hw=cpu), mesh_sizes())  # the weights dominate
+    assert "update_copies" in update.parts and update.grad_bytes == one.grad_bytes
+    backward = memory.predict(run(batch=128, seq=256, accum=2, hw=cpu), mesh_sizes())
+    assert "update_copies" not in backward.parts and backward.grad_bytes == 2 * one.grad_bytes
+
+
 def test_flops_are_the_models_plus_recomputation():
     r = run(remat="none", batch=8, seq=64)
     tokens = 8 * 64

@@ -22,7 +22,7 @@ the K/V or the linear layers' memory states gathered along the sequence), the ac
 when there are several micro-batches, copies of every layer's expert weights where a hybrid
 pattern's unit holds several layers without remat (`stored_weight_bytes`), XLA:CPU's masked
 operands of `ragged_dot` on a CPU device (`cpu_kernel_bytes`, no GPU has them) and the step's input
-arrays. The update is a second candidate peak: the gradients, Muon's Newton–Schulz temporaries and,
+arrays. The update is a second candidate peak: one set of gradients (the last micro-batch is in the sum by then), Muon's Newton–Schulz temporaries and,
 on a CPU device, the clipped copy and the new values beside the old; the prediction is the larger.
 `HEADROOM` of the HBM is kept free for the framework, collective scratch and fragmentation.
 """
@@ -308,11 +308,14 @@ def predict(run: Workload, sizes: dict[str, int]) -> Memory:
     }
     update = {
         # XLA:CPU materialises the global-norm clip's scaled gradients and the new values beside the
-        # old: two more gradient-sized sets. Whether a GPU build fuses them into the update is not
-        # measured yet (a GPU's `--validate` will say), so they are priced on CPU only.
+        # old: two more gradient-sized sets. An H200's XLA does not (ZAYA1 width, 31 layers: at its
+        # update, beside the state and one gradient set, the Newton–Schulz temporaries and 5 GiB
+        # more, a fifth of a gradient set; benchmarks/gpu_memory_vs_explorer_h200.md).
         "update_copies": 2 * state.grads if run.hw.target == "cpu" else 0.0,
         "optimizer_temporaries": muon_temporaries(run, sizes),
         "inputs": inputs,
     }
-    parts = max(backward, update, key=lambda p: sum(p.values()))
-    return Memory(state.params, grads, state.optimizer, sum(parts.values()), parts)
+    # By the update the last micro-batch's gradients are in the running sum: one set is left.
+    phases = ((grads, backward), (state.grads, update))
+    held, parts = max(phases, key=lambda p: p[0] + sum(p[1].values()))
+    return Memory(state.params, held, state.optimizer, sum(parts.values()), parts)

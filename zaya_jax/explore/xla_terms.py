@@ -69,15 +69,16 @@ class Buffer:
 
 
 @contextlib.contextmanager
-def dumping():
-    """(XLA compiler options that dump the step's reports into a temporary folder, a function
-    reading the buffers live at the peak from it). The persistent compilation cache is off
-    meanwhile: a step it served would be compiled by no one, and dump nothing."""
+def dumping(keep: str | None = None):
+    """(XLA compiler options that dump the step's reports into a temporary folder, or into `keep`,
+    which is left in place; a function reading the buffers live at the peak from it). The
+    persistent compilation cache is off meanwhile: a step it served would be compiled by no one,
+    and dump nothing."""
     previous = jax.config.jax_enable_compilation_cache
     jax.config.update("jax_enable_compilation_cache", False)
     try:
-        with tempfile.TemporaryDirectory(prefix="zaya_xla_") as folder:
-            yield {"xla_dump_to": folder, "xla_dump_hlo_as_text": True}, lambda: peak_buffers(*_dump_files(folder))
+        with contextlib.nullcontext(keep) if keep else tempfile.TemporaryDirectory(prefix="zaya_xla_") as folder:
+            yield {"xla_dump_to": folder, "xla_dump_hlo_as_text": True}, lambda: peak_buffers(*dump_files(folder))
     finally:
         jax.config.update("jax_enable_compilation_cache", previous)
 
@@ -88,7 +89,7 @@ def total_bytes(compiled) -> int:
     return m.argument_size_in_bytes + m.temp_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes
 
 
-def _dump_files(folder: str) -> tuple[str, str, str]:
+def dump_files(folder: str) -> tuple[str, str, str]:
     """(live ranges, optimized HLO, buffer assignment) of the step itself: the largest module."""
     ranges = sorted(glob.glob(os.path.join(folder, "*after_optimizations-live-range.txt")), key=os.path.getsize)
     if not ranges:
