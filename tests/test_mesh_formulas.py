@@ -206,6 +206,19 @@ def test_tensor_splits_the_lm_heads_vocabulary_and_all_reduces_its_hidden_gradie
     assert memory.loss_bytes(r, 100, 2) == 100 * (TINY.hidden_size * 4 + 3 * chunk * 4 + 8)
 
 
+def test_newton_schulz_runs_at_the_fp32_matmul_peak():
+    """Muon's products are fp32: TF32 tensor cores on an H100 (half the BF16 peak), fp32 matrix
+    cores under ROCm's XLA (an eighth on an MI300X); the state's stream is the same either way.
+    Measured on an H200: 50 TFLOP of them in 146 ms a step, 342 TFLOP/s (benchmarks/gpu_step_profile_h200.md)."""
+    sizes = mesh_sizes(data=8)
+    for hw, fp32 in ((H100, 494.7), (MI300X, 163.4)):
+        r = run(hw=hw)
+        as_bf16 = dataclasses.replace(r, hw=dataclasses.replace(hw, peak_fp32_matmul_tflops=hw.peak_bf16_tflops))
+        ns = step_time.newton_schulz_flops(r, sizes) / (hw.compute_efficiency * 1e12)
+        extra = step_time.optimizer_seconds(r, sizes) - step_time.optimizer_seconds(as_bf16, sizes)
+        assert extra == pytest.approx(ns / fp32 - ns / hw.peak_bf16_tflops) and extra > 0
+
+
 def test_step_time_and_mfu_on_one_device_are_compute_and_optimizer():
     r = run(hw=hardware.profile("cpu"), batch=8, seq=64)
     r = Workload(r.cfg, r.seq_len, r.global_batch, r.grad_accum, r.remat, r.hw, 1, 1, r.vocab_chunk)

@@ -73,6 +73,11 @@ class HardwareProfile:
     nominal: bool = False  # True: a placeholder, not a datasheet figure
     target: str = "cpu"  # the kernel target (`kernels.registry.TARGETS`) this device compiles for
     shared_memory_kib: int = 0  # shared memory / LDS one Triton program may use (0: no limit checked)
+    # Dense fp32 matmul peak at XLA's default precision (Muon's Newton–Schulz runs in fp32): TF32
+    # tensor cores on NVIDIA (cuBLAS's f32f32_tf32 kernels on an H200 here); on ROCm XLA asks
+    # hipBLASLt for fp32 compute (tf32 only for CUDA: openxla/xla#46177), the FP32-matrix peak.
+    # 0: the BF16 peak (the CPU, whose measured host rates are its own).
+    peak_fp32_matmul_tflops: float = 0.0
     # Measured on this host (`zaya bench host`), none in a datasheet profile: the matmul rate by
     # FLOPs per call ((flops, TFLOP/s) rising), and the rate of activation-sized elementwise
     # kernels (0: the memory bandwidth's).
@@ -84,15 +89,15 @@ PROFILES: dict[str, HardwareProfile] = {
     p.name: p
     for p in (
         HardwareProfile("mi300x", 1307.4, 192, 5.3, "AMD Instinct MI300X datasheet", 0.54, "mesh", 7, 48.0, 0.9,
-                        target="rocm", shared_memory_kib=64),
+                        target="rocm", shared_memory_kib=64, peak_fp32_matmul_tflops=163.4),
         HardwareProfile("mi325x", 1307.4, 256, 6.0, "AMD Instinct MI325X product page", 0.645, "mesh", 7, 48.0, 0.9,
-                        target="rocm", shared_memory_kib=64),
+                        target="rocm", shared_memory_kib=64, peak_fp32_matmul_tflops=163.4),
         HardwareProfile("mi355x", 2516.6, 288, 8.0, "AMD MI355X product page / CDNA4 whitepaper (~2.5 PF dense BF16)",
-                        0.62, "mesh", 7, 57.0, 0.9, target="rocm", shared_memory_kib=160),
+                        0.62, "mesh", 7, 57.0, 0.9, target="rocm", shared_memory_kib=160, peak_fp32_matmul_tflops=157.3),
         HardwareProfile("h100", 989.4, 80, 3.35, "NVIDIA H100 SXM datasheet", 0.80, "switch", 1, 450.0, 0.82,
-                        latency_us_intra=8.0, target="cuda", shared_memory_kib=227),
+                        latency_us_intra=8.0, target="cuda", shared_memory_kib=227, peak_fp32_matmul_tflops=494.7),
         HardwareProfile("h200", 989.4, 141, 4.8, "NVIDIA H200 SXM datasheet", 0.80, "switch", 1, 450.0, 0.82,
-                        latency_us_intra=8.0, target="cuda", shared_memory_kib=227),
+                        latency_us_intra=8.0, target="cuda", shared_memory_kib=227, peak_fp32_matmul_tflops=494.7),
         HardwareProfile("cpu", 1.0, 32, 0.1, "nominal 1 TFLOP/s so MFU is defined on CPU; not a measurement",
                         1.0, "switch", 1, 10.0, 1.0, scale_out_gb_per_s=1.0, nic_efficiency=1.0, nominal=True),
     )

@@ -135,12 +135,13 @@ def ring_recompute(sizes: dict[str, int]) -> int:
 
 
 def compute_seconds(run: Workload, work: dict[str, float], per_call: dict[str, float] | None = None,
-                    in_step: float = IN_STEP_MATMUL_SHARE) -> float:
+                    in_step: float = IN_STEP_MATMUL_SHARE, peak_tflops: float = 0.0) -> float:
     """Each kind's FLOPs over the rate it runs at, times the calibration's residual. The rate: a
-    calibration's measured share of the peak for the kind; else, on a host whose matmuls were
-    measured by size (`HardwareProfile.matmul_curve`), `in_step` times the rate of a matmul of the
-    kind's FLOPs per call (`call_flops`); else the peak times the profile's efficiency."""
-    peak = run.hw.peak_bf16_tflops * 1e12
+    calibration's measured share of the peak (`peak_tflops`, else the BF16 one) for the kind; else,
+    on a host whose matmuls were measured by size (`HardwareProfile.matmul_curve`), `in_step` times
+    the rate of a matmul of the kind's FLOPs per call (`call_flops`); else the peak times the
+    profile's efficiency."""
+    peak = (peak_tflops or run.hw.peak_bf16_tflops) * 1e12
 
     def rate(kind: str) -> float:
         if kind in dict(run.efficiencies) or not run.hw.matmul_curve or per_call is None:
@@ -374,8 +375,9 @@ def _gradient_reductions(run: Workload, sizes: dict[str, int], where: dict[str, 
 
 
 def optimizer_seconds(run: Workload, sizes: dict[str, int]) -> float:
-    """Muon's Newton–Schulz on each device's share of the matrices (each weight's stacked matrices
-    one batched product: its rate, on a host measured by size, that of the whole batch), the
+    """Muon's Newton–Schulz on each device's share of the matrices (fp32 products: at the profile's
+    fp32 matmul peak; each weight's stacked matrices one batched product: its rate, on a host
+    measured by size, that of the whole batch), the
     iterations' elementwise updates of those matrices (`NS_PASSES` per iteration) and one pass
     over the state in memory."""
     state = inventory.state_bytes(run.cfg, sizes, run.zero1)
@@ -384,7 +386,8 @@ def optimizer_seconds(run: Workload, sizes: dict[str, int]) -> float:
         memory.ns_matrix_bytes(g, sizes) for g in inventory.param_groups(run.cfg) if g.optimizer == "muon")
     hw = run.hw
     unscaled = dataclasses.replace(run, residual=1.0)  # the residual is the blocks' compute's, not this
-    matmuls = sum(compute_seconds(unscaled, {"matmul": flops}, {"matmul": flops / iterations}, in_step=1.0)
+    matmuls = sum(compute_seconds(unscaled, {"matmul": flops}, {"matmul": flops / iterations}, in_step=1.0,
+                                  peak_tflops=hw.peak_fp32_matmul_tflops)
                   for flops, iterations in newton_schulz_work(run, sizes))
     return matmuls + stream / (hw.hbm_tb_per_s * 1e12)
 
