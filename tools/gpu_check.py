@@ -1,6 +1,6 @@
-"""One command that turns a lent GPU into numbers: kernel tests compiled, kernel benchmark, a ZAYA1-width train step.
+"""One command that turns a lent GPU into numbers: kernel tests compiled, kernel benchmark, a profiled and a timed ZAYA1-width train step.
 
-    python tools/gpu_check.py [--parts tests,bench,step] [--budget-s 540] [--out-dir benchmarks]
+    python tools/gpu_check.py [--parts tests,bench,profile,step] [--budget-s 540] [--out-dir benchmarks]
         [--layers N] [--seq-len 4096] [--batch 4] [--steps 5] [--platform cuda|rocm|cpu] [--allow-cpu]
         [--config.KEY=VALUE ...]
 
@@ -13,6 +13,10 @@ memory to itself:
   (the kernel tests run compiled there; up to 8 pytest-xdist workers where it is installed):
   pass/fail counts and one line per failure.
 * `bench`: `tools/bench_kernels.py --size zaya1` (`small` on CPU); its JSON rows.
+* `profile`: `tools/profile_step.py` on the step's shape at `PROFILE_LAYERS` layers (the model
+  sized down on CPU): the step's device time by model part and kind of op (matmuls, fp32 matmuls,
+  kernels, elementwise work, copies), which `zaya mesh --calibrate` prices the elementwise work and
+  Muon's Newton–Schulz from; its JSON beside the report (`gpu_step_profile_<device>.json`).
 * `step`: the normal stack (`experiments/zaya1_base_phase1.py` + overrides → `build_program` →
   AOT-compiled `jitted_train_step`) at ZAYA1-base width (hidden 2048, 16 experts, 8 query : 2 KV
   heads of 128, vocab 262,272), bf16, remat `full`, on one device, `--batch` sequences of
@@ -32,6 +36,7 @@ It writes `OUT_DIR/gpu_<device>.json` and `.md` (device: `h100`, `mi300x`, ... f
 from __future__ import annotations
 
 import argparse
+import collections
 import datetime
 import glob
 import importlib.util
@@ -48,8 +53,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
-PARTS = ("tests", "bench", "step")
-SHARES = {"tests": 0.30, "bench": 0.25, "step": 0.45}  # of the budget left when the part starts
+PARTS = ("tests", "bench", "profile", "step")
+SHARES = {"tests": 0.30, "bench": 0.20, "profile": 0.15, "step": 0.35}  # of the budget left when the part starts
+PROFILE_LAYERS = 4  # few layers compile fast; the step's per-layer parts scale with them
 EXPERIMENT = os.path.join(ROOT, "experiments", "zaya1_base_phase1.py")
 PLATFORMS = ("cuda", "rocm", "cpu")
 RESERVE_S = 10.0  # kept back for stopping a part that overruns and for writing the report
@@ -74,7 +80,7 @@ def parse_args(argv):
     p = _Parser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
     p.add_argument("--out-dir", default=os.path.join(ROOT, "benchmarks"), help="report folder (default benchmarks/)")
     p.add_argument("--budget-s", type=float, default=540.0, help="wall-clock budget for everything (default 540)")
-    p.add_argument("--parts", default=",".join(PARTS), help="comma-separated subset of tests,bench,step")
+    p.add_argument("--parts", default=",".join(PARTS), help="comma-separated subset of tests,bench,profile,step")
     p.add_argument("--layers", type=int, help="layers of the timed model (default: as many as fit)")
     p.add_argument("--seq-len", type=int, default=4096, help="tokens per sequence (default 4096)")
     p.add_argument("--batch", type=int, default=4, help="sequences per step, one per micro-batch (default 4)")
@@ -274,6 +280,26 @@ def shown_path(path: str) -> str:
     """Relative to the repository when inside it, else absolute."""
     rel = os.path.relpath(os.path.abspath(path), ROOT)
     return os.path.abspath(path) if rel.startswith("..") else rel
+
+
+def run_profile(ctx: dict, budget: float) -> dict:
+    """`tools/profile_step.py` in a subprocess; its rows (ms per step by part and kind) and the
+    profiled shape, which calibration needs to price the same step."""
+    args = ctx["args"]
+    path = os.path.join(ctx["out_dir"], f"gpu_step_profile_{ctx['slug']}.json")
+    cmd = [sys.executable, os.path.join(ROOT, "tools", "profile_step.py"), f"--layers={PROFILE_LAYERS}",
+           f"--seq-len={args.seq_len}", f"--batch={args.batch}", f"--out={path}"]
+    run = run_child(cmd + (["--allow-cpu"] if ctx["target"] == "cpu" else []), child_env(ctx["target"]), budget)
+    out = {"seconds": run["seconds"]}
+    if run["timed_out"]:
+        return {**out, "status": "timeout", "error": f"timed out after {budget:.0f} s"}
+    if run["rc"] != 0 or not os.path.isfile(path):
+        return {**out, "status": "error", "error": f"exit status {run['rc']}: {last_words(run['lines'])}"}
+    with open(path) as f:
+        profiled = json.load(f)
+    keep = ("layers", "seq_len", "batch", "micro_batches", "model", "kernels", "remat", "step_s", "rows",
+            "unmatched_ms_per_step")
+    return {**out, "status": "ok", "json": shown_path(path), **{k: profiled[k] for k in keep}}
 
 
 def run_step(ctx: dict, budget: float) -> dict:
@@ -486,6 +512,12 @@ def part_line(name: str, part: dict) -> str:
         return counts or part.get("summary", "")
     if name == "bench" and "rows" in part:
         return f"{len(part['rows'])} measurements ({part['size']} shapes): {part.get('json', '')}"
+    if name == "profile" and "rows" in part:
+        kinds = collections.Counter()
+        for row in part["rows"]:
+            kinds[row["kind"]] += row["ms_per_step"]
+        return (f"{part['layers']} layers, {1e3 * part['step_s']:.0f} ms a step: "
+                + ", ".join(f"{k} {v:.0f} ms" for k, v in kinds.most_common()) + f" ({part.get('json', '')})")
     if name == "step" and "tokens_per_s" in part:
         mfu = f"MFU {100 * part['mfu']:.1f}%" + (" (nominal CPU peak)" if part.get("nominal_peak") else "") \
             if part.get("mfu") is not None else "MFU – (unknown device)"
@@ -568,7 +600,7 @@ def write_report(result: dict, out_dir: str) -> str:
 
 
 # ---- main ------------------------------------------------------------------------------------
-RUNNERS = {"tests": run_tests, "bench": run_bench, "step": run_step}
+RUNNERS = {"tests": run_tests, "bench": run_bench, "profile": run_profile, "step": run_step}
 
 
 def part_budget(name: str, todo: list[str], left: float) -> float:
@@ -589,7 +621,8 @@ def main(argv=None) -> int:
         return 2
     print(f"gpu_check: {device['device_kind']} ({device['target']}), jax {device['jax']}; parts {','.join(parts)}, "
           f"budget {args.budget_s:.0f} s", flush=True)
-    ctx = {"args": args, "target": device["target"], "device_kind": device["device_kind"], "out_dir": args.out_dir}
+    ctx = {"args": args, "target": device["target"], "device_kind": device["device_kind"], "slug": device["slug"],
+           "out_dir": args.out_dir}
     result = {"tool": "tools/gpu_check.py", "started": started, "budget_s": args.budget_s,
               "jax": device.pop("jax"), "jaxlib": device.pop("jaxlib"), "python": device.pop("python"),
               "device": device, "parts": {p: {"status": "skipped"} for p in PARTS}, "total_s": 0.0}

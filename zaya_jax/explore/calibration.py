@@ -5,10 +5,15 @@ From its kernel benchmark (fwd+bwd at ZAYA1's shapes) it takes, per kernel kind 
 `step_time.flops_by_kernel`, the share of the device's peak the run's own backend reached:
 `attention` (packed documents where measured), `grouped_matmul` (the experts' backend), `matmul`
 (the dense product of the same shapes; also the linear layers' core, which the file does not time).
-From its timed train step it takes the residual: the factor that makes the kernel-calibrated
-model's compute time for that step (one device, no collectives) meet the measured step, less the
-optimizer's modelled time: what the kernel timings and the modelled elementwise work leave out
-(launches, the elementwise passes' real count on that device); every layout's compute is scaled by it. One measured step makes it a one-point fit: a prediction for shapes near it, not a
+From its profiled step (the `profile` part, where the report has one) it takes what the kernel
+timings cannot: the factor between the device's measured elementwise work and copies (the
+optimizer's aside) and the model's (`Workload.elementwise_scale`: the model counts the blocks'
+passes, measured on a CPU), and the share of the fp32 peak Muon's Newton–Schulz products reached
+(`newton_schulz`; without a profile, the dense matmul's share). From its timed train step it takes
+the residual: the factor that makes the calibrated model's compute time for that step (one device,
+no collectives) meet the measured step, less the optimizer's modelled time: what the timings and
+the profile leave out (launches, what differs between the profiled and the timed shape); every
+layout's compute is scaled by it. One measured step makes it a one-point fit: a prediction for shapes near it, not a
 law. Measured collectives come from `zaya bench collectives` (`--collectives`).
 """
 
@@ -35,12 +40,14 @@ class Calibration:
     residual: float
     measured_step_s: float | None
     modelled_step_s: float | None  # the kernel-calibrated prediction for the measured step
+    elementwise_scale: float = 1.0  # the profiled elementwise work over the modelled (1: no profile)
 
     def summary(self) -> str:
         kinds = ", ".join(f"{k} {v:.2f}" for k, v in sorted(self.efficiencies.items()) if k != "linear_attention")
+        profiled = f"; elementwise work x{self.elementwise_scale:.2f} (profiled)" if self.elementwise_scale != 1.0 else ""
         step = (f"; step residual x{self.residual:.2f} (measured {self.measured_step_s:.3g} s against "
                 f"{self.modelled_step_s:.3g} s from the kernels)" if self.measured_step_s else "; no timed step")
-        return f"calibrated from {self.path} ({self.device}): share of peak {kinds}{step}"
+        return f"calibrated from {self.path} ({self.device}): share of peak {kinds}{profiled}{step}"
 
 
 def read(path: str) -> dict:
@@ -70,10 +77,14 @@ def calibrate(run: Workload, path: str) -> tuple[Workload, Calibration]:
                         f"pass --hardware {device} or a file from a {run.hw.name}")
     rows = report["parts"]["bench"]["rows"]
     efficiencies = _efficiencies(run, rows, path)
-    calibrated = dataclasses.replace(run, efficiencies=tuple(sorted(efficiencies.items())))
+    scale = 1.0
+    profile = report["parts"].get("profile") or {}
+    if profile.get("status") == "ok":
+        scale, efficiencies["newton_schulz"] = _profiled(profile, run, rows, path)
+    calibrated = dataclasses.replace(run, efficiencies=tuple(sorted(efficiencies.items())), elementwise_scale=scale)
     step = (report["parts"].get("step") or {})
     if step.get("status") != "ok" or not step.get("step_s"):
-        return calibrated, Calibration(path, device, efficiencies, 1.0, None, None)
+        return calibrated, Calibration(path, device, efficiencies, 1.0, None, None, scale)
     measured = float(step["step_s"])
     predicted = _modelled_step(step, calibrated, rows, path)
     rest = predicted.step_time_s - predicted.compute_s  # the optimizer: not what the residual scales
@@ -82,7 +93,7 @@ def calibrate(run: Workload, path: str) -> tuple[Workload, Calibration]:
                         f"{rest:.3g} s the model gives its optimizer alone; the file's step is not this model's")
     residual = (measured - rest) / predicted.compute_s
     return (dataclasses.replace(calibrated, residual=residual),
-            Calibration(path, device, efficiencies, residual, measured, predicted.step_time_s))
+            Calibration(path, device, efficiencies, residual, measured, predicted.step_time_s, scale))
 
 
 def _efficiencies(run: Workload, rows: list, path: str) -> dict[str, float]:
@@ -98,7 +109,36 @@ def _efficiencies(run: Workload, rows: list, path: str) -> dict[str, float]:
                 raise
             out[kind] = out["matmul"]  # never benchmarked apart: XLA's own product
     out["linear_attention"] = out["matmul"]  # not timed by gpu_check; its core is chunked matmuls
+    out["newton_schulz"] = out["matmul"]  # until a profile times them (`_profiled`)
     return out
+
+
+# A profile row's kind for fp32 library GEMMs no HLO op named: in our step, only Newton–Schulz's.
+FP32_MATMUL = "matmul (tf32)"
+
+
+def _profiled(profile: dict, run: Workload, rows: list, path: str) -> tuple[float, float]:
+    """(measured over modelled elementwise work, Newton–Schulz's share of the fp32 peak) for the
+    report's profiled step: its rows against the model of that step on one device."""
+    from zaya_jax.explore import step_time
+    from zaya_jax.explore.workload import share
+
+    try:
+        ms = [(str(r["part"]), str(r["kind"]), float(r["ms_per_step"])) for r in profile["rows"]]
+    except (KeyError, TypeError, ValueError) as e:
+        raise ZayaError(f"--calibrate file {path}: its profile's rows are not tools/profile_step.py's "
+                        f"({type(e).__name__}: {e}); re-run tools/gpu_check.py") from None
+    elementwise = sum(t for part, kind, t in ms if kind in ("elementwise", "copy") and part != "optimizer") / 1e3
+    newton_schulz = sum(t for part, kind, t in ms
+                        if kind == FP32_MATMUL or (part == "optimizer" and kind.startswith("matmul"))) / 1e3
+    if elementwise <= 0 or newton_schulz <= 0:
+        raise ZayaError(f"--calibrate file {path}: its profile times no {'elementwise work' if elementwise <= 0 else 'Newton–Schulz products'}; "
+                        "re-run tools/gpu_check.py --parts profile")
+    profiled = _one_device(profile, run, rows, path, "profiled step")
+    one = {axis: 1 for axis in ("data", "fsdp", "expert", "tsp", "tensor", "sequence")}
+    modelled = step_time.elementwise_seconds(profiled, one, share(profiled, one))
+    rate = step_time.newton_schulz_flops(profiled, one) / newton_schulz / 1e12
+    return elementwise / modelled, rate / (run.hw.peak_fp32_matmul_tflops or run.hw.peak_bf16_tflops)
 
 
 def _share(rows: list, kernel: str, backend: str, peak_tflops: float, path: str, what: str) -> float:
@@ -114,22 +154,33 @@ def _share(rows: list, kernel: str, backend: str, peak_tflops: float, path: str,
 
 
 def _modelled_step(step: dict, run: Workload, rows: list, path: str):
-    """The kernel-calibrated prediction for the report's timed step: its model on one device."""
-    from zaya_jax.config import preset
+    """The calibrated prediction (kernels and profile, no residual) for the report's timed step: its
+    model on one device."""
     from zaya_jax.explore import step_time
     from zaya_jax.explore.collectives import Network
 
-    model = step.get("model") or {}
-    missing = [k for k in MODEL_FIELDS if k not in model]
-    if missing or not all(k in step for k in ("seq_len", "batch", "micro_batches", "remat")):
-        raise ZayaError(f"--calibrate file {path}: its timed step does not say its shape ({missing[:1] or 'seq_len'}); "
-                        "re-run tools/gpu_check.py")
-    kernels = step.get("kernels") or {}
-    cfg = preset("zaya1_base", **{k: model[k] for k in MODEL_FIELDS},
-                 attention_kernel=kernels.get("attention", "auto"), moe_kernel=kernels.get("grouped_matmul", "auto"))
-    measured = dataclasses.replace(run, cfg=cfg, seq_len=int(step["seq_len"]), global_batch=int(step["batch"]),
-                                   grad_accum=int(step["micro_batches"]), remat=str(step["remat"]), nodes=1,
-                                   gpus_per_node=1, residual=1.0)
-    measured = dataclasses.replace(measured, efficiencies=tuple(sorted(_efficiencies(measured, rows, path).items())))
+    measured = _one_device(step, run, rows, path, "timed step")
+    profiled = {**dict(measured.efficiencies), "newton_schulz": run.efficiency("newton_schulz")}
+    measured = dataclasses.replace(measured, efficiencies=tuple(sorted(profiled.items())),
+                                   elementwise_scale=run.elementwise_scale)
     one = {axis: 1 for axis in ("data", "fsdp", "expert", "tsp", "tensor", "sequence")}
     return step_time.predict(measured, one, Network(run.hw))
+
+
+def _one_device(part: dict, run: Workload, rows: list, path: str, what: str) -> Workload:
+    """The workload of a step the report measured (its model, shape and kernels), on one device,
+    its kernels at the report's shares, nothing else calibrated."""
+    from zaya_jax.config import preset
+
+    model = part.get("model") or {}
+    missing = [k for k in MODEL_FIELDS if k not in model]
+    if missing or not all(k in part for k in ("seq_len", "batch", "micro_batches", "remat")):
+        raise ZayaError(f"--calibrate file {path}: its {what} does not say its shape ({missing[:1] or 'seq_len'}); "
+                        "re-run tools/gpu_check.py")
+    kernels = part.get("kernels") or {}
+    cfg = preset("zaya1_base", **{k: model[k] for k in MODEL_FIELDS},
+                 attention_kernel=kernels.get("attention", "auto"), moe_kernel=kernels.get("grouped_matmul", "auto"))
+    one = dataclasses.replace(run, cfg=cfg, seq_len=int(part["seq_len"]), global_batch=int(part["batch"]),
+                              grad_accum=int(part["micro_batches"]), remat=str(part["remat"]), nodes=1,
+                              gpus_per_node=1, residual=1.0, elementwise_scale=1.0)
+    return dataclasses.replace(one, efficiencies=tuple(sorted(_efficiencies(one, rows, path).items())))

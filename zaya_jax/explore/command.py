@@ -15,8 +15,9 @@ config overrides: any --config.KEY=VALUE of `zaya train`, e.g. --config.train.re
 
 Hardware profiles (zaya_jax/hardware.py, with sources): mi300x, mi325x, mi355x, h100, h200, cpu.
 --calibrate=benchmarks/gpu_<device>.json (tools/gpu_check.py's report from that device) replaces the
-  profile's GEMM efficiency by the measured share of the peak of each kernel the run uses, and scales
-  compute by the measured train step's residual (docs/mesh_explorer.md, "Calibrating").
+  profile's GEMM efficiency by the measured share of the peak of each kernel the run uses, prices the
+  elementwise work and Muon's Newton-Schulz from the report's profiled step, and scales compute by the
+  measured train step's residual (docs/mesh_explorer.md, "Calibrating").
 --collectives=FILE replaces the modelled link bandwidths by measured ones: a JSON list of
   {"tier": "intra"|"inter", "op": "all_gather"|"reduce_scatter"|"all_reduce"|"all_to_all"|"permute",
    "group": 8, "bytes": 1048576, "busbw_gb_per_s": 250.0} records (busbw as nccl-tests/rccl-tests print it).
@@ -48,7 +49,7 @@ def add_parser(jobs) -> None:
     p.add_argument("--host", metavar="FILE", help="this machine's measured matmul rate and memory bandwidth "
                    "(zaya bench host) in place of the profile's")
     p.add_argument("--calibrate", metavar="GPU_CHECK.json",
-                   help="measured kernel efficiencies and a step residual from tools/gpu_check.py's report")
+                   help="measured kernel efficiencies, a profiled step and a step residual from tools/gpu_check.py's report")
     p.add_argument("--validate", action="store_true", help="compile the shown layouts that fit and report XLA's bytes")
     p.add_argument("--terms", action="store_true",
                    help="with --validate: each memory term predicted against XLA's buffers at the step's peak")

@@ -211,7 +211,8 @@ def elementwise_seconds(run: Workload, sizes: dict[str, int], s: Share) -> float
     memory model counts them, `memory.block_bytes_per_token`), a forward more under remat (and the
     experts' forward again in the TSP ring's backward, `ring_recompute`), at the
     host's measured elementwise rate (else the memory bandwidth), and the tiled grouped matmul's
-    weight copies; a calibration's residual scales it with the matmuls."""
+    weight copies; a calibration's profiled factor (`Workload.elementwise_scale`) and its residual
+    scale it."""
     made = memory.over_layers(run, lambda kind: memory.block_bytes_per_token(run, s, kind))
     recompute = 0 if run.remat == "none" else 1
     traffic = ELEMENTWISE_PASSES * (3 + recompute) / 3 * made * s.tokens * run.grad_accum
@@ -219,7 +220,8 @@ def elementwise_seconds(run: Workload, sizes: dict[str, int], s: Share) -> float
     traffic += ELEMENTWISE_PASSES / 3 * ring * s.tokens * run.grad_accum
     traffic += tile_weight_bytes(run, sizes, s) * run.cfg.num_hidden_layers * run.grad_accum * (
         2 + recompute + ring_recompute(sizes))
-    return run.residual * traffic / ((run.hw.elementwise_tb_per_s or run.hw.hbm_tb_per_s) * 1e12)
+    rate = (run.hw.elementwise_tb_per_s or run.hw.hbm_tb_per_s) * 1e12
+    return run.residual * run.elementwise_scale * traffic / rate
 
 
 def tile_weight_bytes(run: Workload, sizes: dict[str, int], s: Share) -> float:
@@ -386,8 +388,8 @@ def optimizer_seconds(run: Workload, sizes: dict[str, int]) -> float:
         memory.ns_matrix_bytes(g, sizes) for g in inventory.param_groups(run.cfg) if g.optimizer == "muon")
     hw = run.hw
     unscaled = dataclasses.replace(run, residual=1.0)  # the residual is the blocks' compute's, not this
-    matmuls = sum(compute_seconds(unscaled, {"matmul": flops}, {"matmul": flops / iterations}, in_step=1.0,
-                                  peak_tflops=hw.peak_fp32_matmul_tflops)
+    matmuls = sum(compute_seconds(unscaled, {"newton_schulz": flops}, {"newton_schulz": flops / iterations},
+                                  in_step=1.0, peak_tflops=hw.peak_fp32_matmul_tflops)
                   for flops, iterations in newton_schulz_work(run, sizes))
     return matmuls + stream / (hw.hbm_tb_per_s * 1e12)
 

@@ -36,9 +36,12 @@ class Workload:
     zero1: bool = True  # optimizer state split over `data` too (optim.shard_over_data)
     zigzag: bool = True  # mesh.zigzag: causal attention balanced over the sequence devices
     scan_unroll: int = 1  # train.scan_unroll: layers per iteration of the layer scan
-    # Measured shares of the peak per kernel kind (`step_time.flops_by_kernel`), and the residual
-    # that scales compute to a measured step (`explore/calibration.py`); none: the profile's.
+    # Measured shares of the peak per kernel kind (`step_time.flops_by_kernel`, and Muon's
+    # `newton_schulz` of the fp32 peak), the factor a profiled step puts on the modelled elementwise
+    # work, and the residual that scales compute to a measured step (`explore/calibration.py`);
+    # none: the profile's.
     efficiencies: tuple[tuple[str, float], ...] = ()
+    elementwise_scale: float = 1.0
     residual: float = 1.0
 
     @classmethod

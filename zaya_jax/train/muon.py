@@ -42,12 +42,15 @@ def newton_schulz(g: jax.Array, steps: int = 5, eps: float = 1e-7) -> jax.Array:
     a, b, c = NS_COEFFICIENTS
     wide = g.shape[-2] <= g.shape[-1]
     x = g if wide else jnp.swapaxes(g, -1, -2)
-    # max(‖x‖, eps), not ‖x‖ + eps: the router's momenta have norms of 1e-6..1e-5, where an added eps
-    # would shrink their update by up to 4% (torch.optim.Muon clamps the same way).
-    x = x / jnp.maximum(jnp.linalg.norm(x, axis=(-2, -1), keepdims=True), eps)
-    for _ in range(steps):
-        gram = x @ jnp.swapaxes(x, -1, -2)  # the small side: [rows, rows]
-        x = a * x + (b * gram + c * gram @ gram) @ x
+    # The scope names these products in a profile (tools/profile_step.py): on one GPU they are a
+    # third of a ZAYA1-width step.
+    with jax.named_scope("newton_schulz"):
+        # max(‖x‖, eps), not ‖x‖ + eps: the router's momenta have norms of 1e-6..1e-5, where an added
+        # eps would shrink their update by up to 4% (torch.optim.Muon clamps the same way).
+        x = x / jnp.maximum(jnp.linalg.norm(x, axis=(-2, -1), keepdims=True), eps)
+        for _ in range(steps):
+            gram = x @ jnp.swapaxes(x, -1, -2)  # the small side: [rows, rows]
+            x = a * x + (b * gram + c * gram @ gram) @ x
     return x if wide else jnp.swapaxes(x, -1, -2)
 
 

@@ -6,7 +6,8 @@ steps, then traces `--steps` steps with JAX's profiler. Each device op of the tr
 its HLO instruction in the compiled step and counted by
 
 * part: the model scope its `op_name` names (attention, experts, router, linear attention, norms,
-  loss, embedding, optimizer update, other), forward or backward (`transpose(` in the name);
+  loss, embedding, the optimizer: its update and Muon's `newton_schulz`, other), forward or
+  backward (`transpose(` in the name);
 * kind: `matmul` (a dot, a cuBLAS call or a fusion holding one; `matmul (tf32)` for an fp32
   library GEMM), `kernel` (a Pallas/Triton custom call), `collective`, `copy` (copy, transpose,
   memcpy), `elementwise` (every other fusion or op).
@@ -17,10 +18,11 @@ names) is matched by the kernel's own name where it says what it is (cuBLAS, `za
 
 Prints the table (ms per step, share of the device time, bytes the elementwise ops read and write)
 and writes JSON and Markdown; `--keep-trace DIR` leaves the trace and the optimized HLO there as a
-.tar.gz. The elementwise time and bytes are what the explorer's elementwise term
-(`explore/step_time.py`) models with a pass count measured on CPU.
+.tar.gz. `tools/gpu_check.py`'s `profile` part runs it, and `zaya mesh --calibrate` reads its rows:
+the elementwise work against the explorer's (`explore/step_time.py`, a pass count measured on
+CPU) and the optimizer's fp32 products against their FLOPs (`explore/calibration.py`).
 
-    python benchmarks/gpu_step_profile.py --out $OUT/gpu_step_profile.json [--layers 4]
+    python tools/profile_step.py --out benchmarks/gpu_step_profile_<device>.json [--layers 4]
 
 On a machine without a GPU, `--allow-cpu` checks the tool on a small shape.
 """
@@ -43,7 +45,7 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "tools"))
-PARTS = (("loss", "loss"), ("linear_attention", "linear attention"), ("experts", "experts"),
+PARTS = (("newton_schulz", "optimizer"), ("loss", "loss"), ("linear_attention", "linear attention"), ("experts", "experts"),
          ("router", "router"), ("attention", "attention"), ("norm", "norms"), ("embed", "embedding"))
 COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
 BYTES = {"f64": 8, "s64": 8, "u64": 8, "f32": 4, "s32": 4, "u32": 4, "bf16": 2, "f16": 2, "s16": 2, "u16": 2,
@@ -89,6 +91,7 @@ def profile_step(args, extra: list[str]) -> dict:
 
     from gpu_check import EXPERIMENT, step_overrides, synthetic_batch
     from zaya_jax.experiment import load_experiment
+    from zaya_jax.explore.calibration import MODEL_FIELDS
     from zaya_jax.train.program import build_program
 
     exp = load_experiment(EXPERIMENT, step_overrides(args.layers, args.seq_len, args.batch) + extra)
@@ -114,10 +117,11 @@ def profile_step(args, extra: list[str]) -> dict:
         with tarfile.open(os.path.join(args.keep_trace, "step_trace.tar.gz"), "w:gz") as tar:
             tar.add(trace, arcname="perfetto_trace.json.gz")
             tar.add(os.path.join(folder, "step.hlo.txt"), arcname="step.hlo.txt")
-    device = jax.devices()[0]
+    device, m, c = jax.devices()[0], exp.model, exp.config.train
     return {"device": device.device_kind, "platform": device.platform, "jax": jax.__version__,
-            "layers": args.layers, "seq_len": exp.config.train.seq_len, "batch": exp.config.train.global_batch_size,
-            "kernels": program.kernels(), "remat": exp.config.train.remat, "compile_phases_s": phases,
+            "layers": args.layers, "seq_len": c.seq_len, "batch": c.global_batch_size, "micro_batches": c.grad_accum_steps,
+            "model": {k: getattr(m, k) for k in MODEL_FIELDS},
+            "kernels": program.kernels(), "remat": c.remat, "compile_phases_s": phases,
             "step_s": float(np.median(times[2:])), "loss": float(metrics["loss"]), "rows": rows,
             "unmatched_ms_per_step": unmatched}
 
