@@ -62,7 +62,7 @@ def main(argv=None) -> int:
     import jax
 
     if jax.default_backend() == "cpu" and not args.allow_cpu:
-        sys.exit("gpu_memory_vs_explorer: error: JAX sees no GPU; pass --allow-cpu to check the tool on CPU")
+        _fail("JAX sees no GPU; pass --allow-cpu to check the tool on CPU")
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     rows = []
     for i, (name, (layers, extra)) in enumerate(cases.items()):
@@ -75,6 +75,11 @@ def main(argv=None) -> int:
         _write(args.out, _record(rows, args.hardware))
     print(_markdown(_record(rows, args.hardware)))
     return 0
+
+
+def _fail(message: str) -> None:
+    print(f"gpu_memory_vs_explorer: error: {message}", file=sys.stderr)
+    raise SystemExit(2)
 
 
 def _repredict(args) -> int:
@@ -110,7 +115,7 @@ def _cases(spec: str) -> dict:
         return TINY
     unknown = [c for c in spec.split(",") if c not in CASES]
     if unknown:
-        sys.exit(f"gpu_memory_vs_explorer: error: unknown case {unknown[0]!r}; choose from {', '.join(CASES)}")
+        _fail(f"unknown case {unknown[0]!r}; choose from {', '.join(CASES)}")
     return {c: CASES[c] for c in spec.split(",")}
 
 

@@ -58,6 +58,17 @@ def test_cpu_only_machine_is_refused_without_allow_cpu(tmp_path):
     assert "Traceback" not in result.stdout + result.stderr and not list(tmp_path.iterdir())
 
 
+@pytest.mark.parametrize("args, words", [
+    (["--layers=0"], "--layers must be >= 1 (got 0)"),
+    (["--steps=-1"], "--steps must be >= 1 (got -1)"),
+])
+def test_the_profiler_refuses_bad_numbers_in_one_line(tmp_path, args, words):
+    result = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "profile_step.py"),
+                             f"--out={tmp_path / 'p.json'}", *args], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2 and result.stderr == f"profile_step: error: {words}\n"
+    assert not list(tmp_path.iterdir())
+
+
 @pytest.mark.slow
 def test_the_profile_part_runs_on_cpu_and_records_what_calibration_reads(tmp_path):
     """`--allow-cpu --parts profile`: tools/profile_step.py in its subprocess on a small shape; the

@@ -65,6 +65,9 @@ def main(argv=None) -> int:
     p.add_argument("--keep-trace", metavar="DIR", help="leave the trace and the optimized HLO here (.tar.gz)")
     p.add_argument("--allow-cpu", action="store_true", help="run on CPU, on a small shape (checks the tool)")
     args = p.parse_args(argv)
+    for name in ("layers", "seq_len", "batch", "steps"):
+        if getattr(args, name) < 1:
+            fail(f"--{name.replace('_', '-')} must be >= 1 (got {getattr(args, name)})")
     # Kernels XLA records into a CUDA graph report only the graph as their HLO op; launched one by
     # one, each names its own instruction (the step's time is measured the same way).
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_gpu_enable_command_buffer=").strip()
@@ -73,7 +76,7 @@ def main(argv=None) -> int:
 
     on_cpu = jax.default_backend() == "cpu"
     if on_cpu and not args.allow_cpu:
-        sys.exit("gpu_step_profile: error: JAX sees no GPU; pass --allow-cpu to check the tool on CPU")
+        fail("JAX sees no GPU; pass --allow-cpu to check the tool on CPU")
     result = profile_step(args, TINY if on_cpu else [])
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w", encoding="utf-8") as f:
@@ -83,6 +86,12 @@ def main(argv=None) -> int:
         f.write(markdown)
     print(markdown)
     return 0
+
+
+def fail(message: str) -> None:
+    """A bad argument or machine: one line on stderr, exit status 2."""
+    print(f"profile_step: error: {message}", file=sys.stderr)
+    raise SystemExit(2)
 
 
 def profile_step(args, extra: list[str]) -> dict:
