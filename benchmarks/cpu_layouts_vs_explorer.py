@@ -46,7 +46,11 @@ def main(argv=None) -> int:
     p.add_argument("--steps", type=int, default=10, help="timed steps per round (the median is kept)")
     p.add_argument("--rounds", type=int, default=3, help="rounds over the layouts (the fastest median is kept)")
     p.add_argument("--calibrate", help="a CPU report of tools/gpu_check.py for the kernels and the residual")
+    p.add_argument("--repredict", metavar="JSON", help="time nothing: this file's measured steps (and the host and "
+                   "collectives it measured) against the current model's predictions, written to --out")
     args = p.parse_args(argv)
+    if args.repredict:
+        return _repredict(args)
 
     from zaya_jax import cpu_host
 
@@ -76,16 +80,40 @@ def main(argv=None) -> int:
         del prepared
     result = {"tool": "benchmarks/cpu_layouts_vs_explorer.py", "host": host_record, "machine": platform.processor()
               or platform.machine(), "jax": jax.__version__, "steps": args.steps, "rounds": args.rounds, "calibrate": args.calibrate,
-              "collectives": records, "rows": rows, "rank_correlation": {
-                  shape: spearman([r["measured_s"] for r in rows if r["shape"] == shape],
-                                  [r["predicted_s"] for r in rows if r["shape"] == shape]) for shape in SHAPES},
-              "ordered_pairs": {shape: ordered_pairs([r for r in rows if r["shape"] == shape]) for shape in SHAPES}}
-    with open(args.out, "w") as f:
+              "collectives": records, "rows": rows}
+    return _write(result, args.out)
+
+
+def _repredict(args) -> int:
+    """The measurements of an earlier run, predicted again (the host and its collectives as measured then)."""
+    from zaya_jax.experiment import load_experiment
+
+    with open(args.repredict) as f:
+        result = json.load(f)
+    curves = _curves(result["collectives"])
+    for i, old in enumerate(result["rows"]):
+        axis = old["layout"].split()[0]
+        mesh = [f"--config.mesh.{a}={2 if a == axis else 1}" for a in AXES]
+        exp = load_experiment(CONFIG, SHAPES[old["shape"]] + mesh + ["--config.train.cpu_devices=2"])
+        p = {"exp": exp, "compile_s": old["compile_s"]}
+        result["rows"][i] = _row(old["shape"], axis, p, old["measured_s"], result["host"], curves, args)
+        print(_line(result["rows"][i]), flush=True)
+    result["repredicted_from"] = args.repredict
+    return _write(result, args.out)
+
+
+def _write(result: dict, out: str) -> int:
+    rows = result["rows"]
+    result["rank_correlation"] = {shape: spearman([r["measured_s"] for r in rows if r["shape"] == shape],
+                                                  [r["predicted_s"] for r in rows if r["shape"] == shape])
+                                  for shape in SHAPES}
+    result["ordered_pairs"] = {shape: ordered_pairs([r for r in rows if r["shape"] == shape]) for shape in SHAPES}
+    with open(out, "w") as f:
         json.dump(result, f, indent=1)
-    md = os.path.splitext(args.out)[0] + ".md"
+    md = os.path.splitext(out)[0] + ".md"
     with open(md, "w") as f:
         f.write(markdown(result))
-    print(f"wrote {args.out} and {md}")
+    print(f"wrote {out} and {md}")
     return 0
 
 
@@ -204,7 +232,9 @@ def markdown(result: dict) -> str:
              f"{h['elementwise_gb_per_s']:.3g} GB/s, memory {h['memory_gb_per_s']:.3g} GB/s (zaya bench host, both devices at "
              f"once); links from zaya bench "
              f"collectives over the 2 devices" + (f"; calibrated with {result['calibrate']}" if result["calibrate"] else "")
-             + f". Each layout: the fastest of {result.get('rounds', 1)} round-robin rounds' median of {result['steps']} steps.", "",
+             + f". Each layout: the fastest of {result.get('rounds', 1)} round-robin rounds' median of {result['steps']} steps."
+             + (" The predictions were made again (`--repredict`) by a later model from these measurements."
+                if result.get("repredicted_from") else ""), "",
              "| shape | layout | measured ms | predicted ms | predicted / measured |", "|---|---|---:|---:|---:|"]
     for r in result["rows"]:
         lines.append(f"| {r['shape']} | {r['layout']} | {r['measured_s'] * 1e3:.1f} | {r['predicted_s'] * 1e3:.1f} | "

@@ -122,11 +122,13 @@ def test_a_linear_layers_flops_are_its_own_and_its_core_has_no_sequence_length_o
         r.micro_batch * r.seq_len / math.prod(sizes[a] for a in ("data", "fsdp", "expert", "tsp", "sequence")))
     one = mesh_sizes()
     linear, cca = TINY.replace(layer_pattern="L"), TINY
-    # remat none: 3 block forwards per token; a layer is 2·(mixer + expert + router) + core/3.
+    # remat none: 3 block forwards per token; a layer is 2·(mixer + expert + router) + core/3, and a
+    # linear layer's chunked kernel adds its chunks' scores and their products (4·C·nq·d).
+    chunks = 4 * step_time.linear_chunk(run(linear)) * TINY.num_attention_heads * TINY.head_dim
     gap = 3 * 2 * (2 * (flops.layer_mixer_params(TINY, "C") - flops.layer_mixer_params(TINY, "L"))
-                   + (flops.layer_core_flops(TINY, "C", 64) - flops.layer_core_flops(TINY, "L", 64)) / 3)
+                   + (flops.layer_core_flops(TINY, "C", 64) - flops.layer_core_flops(TINY, "L", 64)) / 3 - chunks)
     assert per_token(run(cca), one) - per_token(run(linear), one) == pytest.approx(gap, rel=1e-12)
-    assert per_token(run(linear, seq=256), one) == per_token(run(linear), one)  # no S in its core
+    assert per_token(run(linear, seq=256), one) == per_token(run(linear), one)  # no S in its core (C ≤ S)
     assert per_token(run(cca, seq=256), one) > per_token(run(cca), one)
     # Contiguous chunks load the last device with (2D−1)/D of CCA's causal core; no linear layer's.
     sizes = mesh_sizes(sequence=8)
@@ -171,6 +173,25 @@ def test_a_hybrids_predicted_memory_is_within_the_usual_band_of_xla():
                                sizes)
     assert got["argument_bytes"] == pytest.approx(predicted.param_bytes + predicted.optimizer_bytes, rel=0.02)
     assert predicted.total_bytes == pytest.approx(got["argument_bytes"] + got["temp_bytes"], rel=0.2)
+
+
+def test_a_linear_layers_chunked_kernel_prices_its_chunks_scores_at_its_backends_chunk():
+    """Inside a chunk of C tokens the kernel forms the [C, C] scores and their product with the
+    values: 4·C·nq·d FLOPs a token, forward. C is Pallas's block for the device and dtype (the
+    H100's fp32 row: 32), never longer than the sequence rounded up to a power of two, or the
+    `xla` form's 64 (the sequence, when shorter)."""
+    nq_d = HYBRID.num_attention_heads * HYBRID.head_dim
+    pallas = run(HYBRID.replace(linear_kernel="pallas"))
+    assert step_time.linear_chunk(pallas) == 32 and step_time.intra_chunk_flops(pallas) == 4 * 32 * nq_d
+    assert step_time.linear_chunk(run(HYBRID.replace(linear_kernel="pallas"), seq=20)) == 32
+    assert step_time.linear_chunk(run(HYBRID.replace(linear_kernel="pallas", compute_dtype="bfloat16"))) == 64
+    assert step_time.linear_chunk(run(HYBRID.replace(linear_kernel="xla"))) == 64
+    assert step_time.linear_chunk(run(HYBRID.replace(linear_kernel="xla"), seq=48)) == 48
+    # In training (remat none): three forwards' worth, one linear layer, the device's tokens.
+    r, sizes = run(HYBRID.replace(linear_kernel="xla")), mesh_sizes(data=8)
+    linear = step_time.flops_by_kernel(r, sizes, step_time.share(r, sizes))["linear_attention"]
+    recurrent = flops.layer_core_flops(HYBRID, "L", 64)  # training FLOPs of the q·M and kᵀv form
+    assert linear == pytest.approx((recurrent + 3 * 4 * 64 * nq_d) * 16 * 64 / 8)
 
 
 def test_lasp2_adds_its_state_reduction_and_the_entering_states_read_on_a_split_sequence():

@@ -40,7 +40,7 @@ from zaya_jax.explore import inventory, memory
 from zaya_jax.explore.collectives import Network
 from zaya_jax.explore.placement import Span, spans
 from zaya_jax.explore.workload import Workload, Share, lasp2_ends_bytes, lasp2_state_bytes, share
-from zaya_jax.kernels import tiled_grouped_matmul
+from zaya_jax.kernels import tiled_grouped_matmul, tuning
 from zaya_jax.model.layer_stack import MIXERS
 from zaya_jax.parallel import zigzag
 from zaya_jax.parallel.axes import BATCH_AXES, SEQUENCE_AXES
@@ -97,7 +97,8 @@ def hardware_flops(run: Workload, sizes: dict[str, int], s: Share) -> float:
 def flops_by_kernel(run: Workload, sizes: dict[str, int], s: Share) -> dict[str, float]:
     """`hardware_flops` by the kind of kernel that runs them (`KERNEL_CLASSES`): the dense
     matmuls (projections, router, LM head), the experts' grouped matmul, CCA's attention core and
-    the linear layers' core. Forward, backward (twice the forward) and the remat policy's
+    the linear layers' core (their chunks' products too, `intra_chunk_flops`, and LASP-2's state
+    work on a split sequence). Forward, backward (twice the forward) and the remat policy's
     recomputation; the loss backward recomputes each chunk's logits."""
     cfg, t, kinds = run.cfg, sizes["tensor"], run.cfg.layer_kinds
     repeated = flops.router_params(cfg)
@@ -106,8 +107,10 @@ def flops_by_kernel(run: Workload, sizes: dict[str, int], s: Share) -> dict[str,
     # Causal imbalance is CCA's: a linear layer's core is the same per token on every device.
     imbalance = {"C": _busiest_causal_share(run, sizes), "L": 1.0}
     core = {k: kinds.count(k) * flops.layer_core_flops(cfg, k, run.seq_len) / 3 / t * imbalance[k] for k in present}
-    if "L" in core and math.prod(sizes[a] for a in SEQUENCE_AXES) > 1:
-        core["L"] += kinds.count("L") * lasp2_state_flops(cfg) / t
+    if "L" in core:
+        core["L"] += kinds.count("L") * intra_chunk_flops(run) / t
+        if math.prod(sizes[a] for a in SEQUENCE_AXES) > 1:
+            core["L"] += kinds.count("L") * lasp2_state_flops(cfg) / t
     dense = sum(kinds.count(k) * 2 * (flops.layer_mixer_params(cfg, k) / t + repeated) for k in present)
     experts = cfg.num_hidden_layers * 2 * flops.expert_params(cfg) / t
     recompute = {"full": (1, 1, 1), "dots": (0, 0, 1), "moe": (1, 0, 1)}.get(run.remat, (0, 0, 0))
@@ -117,6 +120,25 @@ def flops_by_kernel(run: Workload, sizes: dict[str, int], s: Share) -> dict[str,
                  "linear_attention": (3 + recompute[2]) * core.get("L", 0.0)}
     per_token["grouped_matmul"] *= padded_share(run, sizes, s)
     return {kind: value * s.tokens * run.grad_accum for kind, value in per_token.items()}
+
+
+def linear_chunk(run: Workload) -> int:
+    """Tokens per chunk of the linear layers' kernel: the `xla` form's `XLA_CHUNK`, Pallas's block
+    for the device and dtype (`kernels.tuning`), neither longer than the sequence (Pallas's rounded
+    up to a power of two)."""
+    if run.backend("linear_attention", run.cfg.linear_kernel) == "pallas":
+        row = tuning.row_name(run.hw.target, run.cfg.compute_dtype)
+        return min(tuning.TABLE[row]["linear_attention"].block, max(16, 1 << (run.seq_len - 1).bit_length()))
+    return min(LINEAR_CHUNK, run.seq_len)
+
+
+def intra_chunk_flops(run: Workload) -> float:
+    """Forward FLOPs per token a linear layer's chunked kernel runs beside the recurrent form's
+    (`flops.layer_core_flops`, which the model's FLOPs count): each query head's scores against
+    its chunk's C keys and their product with the C values, the causal mask applied to whole
+    [C, C] tiles, 2·C·d each."""
+    cfg = run.cfg
+    return 4.0 * linear_chunk(run) * cfg.num_attention_heads * cfg.head_dim
 
 
 def lasp2_state_flops(cfg) -> float:
