@@ -142,8 +142,9 @@ def test_cli_prints_the_calibration_and_refuses_a_missing_file(tmp_path):
 
 
 def test_a_report_made_on_this_cpu_calibrates_the_cpu_profile_to_its_own_step(tmp_path):
-    """tools/gpu_check.py's bench and step parts on CPU (small shapes) write a report; the
-    calibrated explorer then predicts that report's step at its measured time."""
+    """tools/gpu_check.py's bench, profile and step parts on CPU (small shapes) write a report; the
+    calibrated explorer prices the elementwise work and Newton–Schulz from its profile and then
+    predicts that report's step at its measured time."""
     import subprocess
     import sys
 
@@ -151,7 +152,7 @@ def test_a_report_made_on_this_cpu_calibrates_the_cpu_profile_to_its_own_step(tm
              "--config.model.moe_intermediate_size=256", "--config.model.num_attention_heads=4",
              "--config.model.head_dim=64"]
     made = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "gpu_check.py"), "--platform=cpu", "--allow-cpu",
-                           "--parts=bench,step", "--layers=1", "--seq-len=128", "--batch=2", "--steps=1",
+                           "--parts=bench,profile,step", "--layers=1", "--seq-len=128", "--batch=2", "--steps=1",
                            "--budget-s=300", f"--out-dir={tmp_path}", *shape],
                           capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert made.returncode == 0, made.stdout[-2000:] + made.stderr[-2000:]
@@ -160,6 +161,10 @@ def test_a_report_made_on_this_cpu_calibrates_the_cpu_profile_to_its_own_step(tm
     question = _run(shape + ["--config.model.num_hidden_layers=1", "--config.train.seq_len=128",
                              "--config.train.global_batch_size=2", "--config.train.grad_accum_steps=2"], hw="cpu")
     run, cal = calibration.calibrate(question, path)
-    assert set(cal.efficiencies) >= {"attention", "grouped_matmul", "matmul"}
+    assert set(cal.efficiencies) >= {"attention", "grouped_matmul", "matmul", "newton_schulz"}
     assert all(0 < v for v in cal.efficiencies.values())
+    profile = json.load(open(path))["parts"]["profile"]  # the profiler's own JSON beside the report, its rows in it
+    assert profile["status"] == "ok" and os.path.isfile(tmp_path / "gpu_step_profile_cpu.json")
+    assert any(r["part"] == "optimizer" and r["kind"] == "matmul" for r in profile["rows"])  # Newton–Schulz's scope
+    assert cal.elementwise_scale != 1.0 and cal.efficiencies["newton_schulz"] != cal.efficiencies["matmul"]
     assert step_time.predict(run, ONE, Network(run.hw)).step_time_s == pytest.approx(measured, rel=1e-6)
