@@ -13,8 +13,8 @@ passes, measured on a CPU), and the share of the fp32 peak Muon's Newton–Schul
 the residual: the factor that makes the calibrated model's compute time for that step (one device,
 no collectives) meet the measured step, less the optimizer's modelled time: what the timings and
 the profile leave out (launches, what differs between the profiled and the timed shape); every
-layout's compute is scaled by it. One measured step makes it a one-point fit: a prediction for shapes near it, not a
-law. Measured collectives come from `zaya bench collectives` (`--collectives`).
+layout's compute is scaled by it. One measured step makes it a one-point fit: a prediction for
+shapes near it, not a law. Measured collectives come from `zaya bench collectives` (`--collectives`).
 """
 
 from __future__ import annotations
@@ -25,9 +25,11 @@ import os
 
 from zaya_jax.errors import ZayaError
 from zaya_jax.explore.workload import Workload
+from zaya_jax.parallel.axes import MESH_AXES
 
 TOOL = "tools/gpu_check.py"
 KERNEL_ROWS = {"attention": "attention", "grouped_matmul": "grouped_matmul"}  # kind → bench kernel
+ONE_DEVICE = dict.fromkeys(MESH_AXES, 1)  # the layout of a report's measured steps
 MODEL_FIELDS = ("hidden_size", "num_hidden_layers", "num_experts", "num_attention_heads", "num_key_value_heads",
                 "head_dim", "moe_intermediate_size", "vocab_size", "compute_dtype")
 
@@ -132,12 +134,12 @@ def _profiled(profile: dict, run: Workload, rows: list, path: str) -> tuple[floa
     newton_schulz = sum(t for part, kind, t in ms
                         if kind == FP32_MATMUL or (part == "optimizer" and kind.startswith("matmul"))) / 1e3
     if elementwise <= 0 or newton_schulz <= 0:
-        raise ZayaError(f"--calibrate file {path}: its profile times no {'elementwise work' if elementwise <= 0 else 'Newton–Schulz products'}; "
+        missing = "elementwise work" if elementwise <= 0 else "Newton–Schulz products"
+        raise ZayaError(f"--calibrate file {path}: its profile times no {missing}; "
                         "re-run tools/gpu_check.py --parts profile")
     profiled = _one_device(profile, run, rows, path, "profiled step")
-    one = {axis: 1 for axis in ("data", "fsdp", "expert", "tsp", "tensor", "sequence")}
-    modelled = step_time.elementwise_seconds(profiled, one, share(profiled, one))
-    rate = step_time.newton_schulz_flops(profiled, one) / newton_schulz / 1e12
+    modelled = step_time.elementwise_seconds(profiled, ONE_DEVICE, share(profiled, ONE_DEVICE))
+    rate = step_time.newton_schulz_flops(profiled, ONE_DEVICE) / newton_schulz / 1e12
     return elementwise / modelled, rate / (run.hw.peak_fp32_matmul_tflops or run.hw.peak_bf16_tflops)
 
 
@@ -163,8 +165,7 @@ def _modelled_step(step: dict, run: Workload, rows: list, path: str):
     profiled = {**dict(measured.efficiencies), "newton_schulz": run.efficiency("newton_schulz")}
     measured = dataclasses.replace(measured, efficiencies=tuple(sorted(profiled.items())),
                                    elementwise_scale=run.elementwise_scale)
-    one = {axis: 1 for axis in ("data", "fsdp", "expert", "tsp", "tensor", "sequence")}
-    return step_time.predict(measured, one, Network(run.hw))
+    return step_time.predict(measured, ONE_DEVICE, Network(run.hw))
 
 
 def _one_device(part: dict, run: Workload, rows: list, path: str, what: str) -> Workload:

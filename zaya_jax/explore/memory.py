@@ -22,8 +22,9 @@ the K/V or the linear layers' memory states gathered along the sequence), the ac
 when there are several micro-batches, copies of every layer's expert weights where a hybrid
 pattern's unit holds several layers without remat (`stored_weight_bytes`), XLA:CPU's masked
 operands of `ragged_dot` on a CPU device (`cpu_kernel_bytes`, no GPU has them) and the step's input
-arrays. The update is a second candidate peak: one set of gradients (the last micro-batch is in the sum by then), Muon's Newton–Schulz temporaries and,
-on a CPU device, the clipped copy and the new values beside the old; the prediction is the larger.
+arrays. The update is a second candidate peak: one set of gradients (the last micro-batch is in
+the sum by then), Muon's Newton–Schulz temporaries and, on a CPU device, the clipped copy and the
+new values beside the old; the prediction is the larger.
 `HEADROOM` of the HBM is kept free for the framework, collective scratch and fragmentation.
 """
 
