@@ -151,16 +151,18 @@ def instructions(hlo: str) -> dict[str, tuple[str, str]]:
 
 
 def kind_of(text: str, called: list[str]) -> str:
+    """The kind of op an instruction is (see the module docstring); `called` holds the instructions
+    of the computations it calls (a fusion's body)."""
     opcode = _opcode(text)
-    if opcode in COLLECTIVES or opcode.rstrip("-start") in COLLECTIVES or opcode.endswith("-start"):
+    if opcode.removesuffix("-start").removesuffix("-done") in COLLECTIVES:
         return "collective"
     if opcode == "custom-call":
         target = re.search(r'custom_call_target="([^"]*)"', text)
-        target = target.group(1) if target else ""
-        return "matmul" if ("cublas" in target or "gemm" in target.lower()) else "kernel"
+        target = target.group(1).lower() if target else ""
+        return "matmul" if ("cublas" in target or "gemm" in target) else "kernel"
     if opcode in ("dot", "convolution") or any(" dot(" in c or " convolution(" in c for c in called):
         return "matmul"
-    if opcode == "fusion" and ('"kind":"__triton_gemm"' in text or "__triton_gemm" in text):
+    if opcode == "fusion" and "__triton_gemm" in text:
         return "matmul"
     if opcode in ("copy", "transpose", "copy-start", "copy-done"):
         return "copy"
@@ -261,8 +263,9 @@ def _operand_bytes(text: str, table: dict) -> int:
 
 
 def _opcode(text: str) -> str:
-    body = text[_tuple_end(text):] if text.startswith("(") else text
-    m = re.search(r"\s([a-z][\w\-]*)\(", " " + body.split(" ", 1)[1] if " " in body else body)
+    """An instruction's opcode: the first `name(` after its result's shape (a tuple's too)."""
+    rest = text[_tuple_end(text):] if text.startswith("(") else text.split(" ", 1)[-1]
+    m = re.search(r"([a-z][\w\-]*)\(", rest)
     return m.group(1) if m else ""
 
 
