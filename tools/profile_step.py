@@ -34,7 +34,6 @@ import collections
 import glob
 import gzip
 import json
-import math
 import os
 import re
 import sys
@@ -47,9 +46,6 @@ sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "tools"))
 PARTS = (("newton_schulz", "optimizer"), ("loss", "loss"), ("linear_attention", "linear attention"), ("experts", "experts"),
          ("router", "router"), ("attention", "attention"), ("norm", "norms"), ("embed", "embedding"))
-COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
-BYTES = {"f64": 8, "s64": 8, "u64": 8, "f32": 4, "s32": 4, "u32": 4, "bf16": 2, "f16": 2, "s16": 2, "u16": 2,
-         "s8": 1, "u8": 1, "pred": 1}
 TINY = ["--config.model.hidden_size=256", "--config.model.num_experts=4", "--config.model.moe_intermediate_size=256",
         "--config.model.vocab_size=1024", "--config.model.num_attention_heads=4", "--config.model.num_key_value_heads=2",
         "--config.model.head_dim=64"]
@@ -138,23 +134,24 @@ def profile_step(args, extra: list[str]) -> dict:
 # ---- the trace, matched to the HLO -----------------------------------------------------------
 def instructions(hlo: str) -> dict[str, tuple[str, str]]:
     """{instruction name: (its text, the computation it is in)} over the optimized module."""
-    out, computation = {}, ""
-    for line in hlo.splitlines():
-        head = re.match(r"^(?:ENTRY )?%?([\w.\-]+) .*\{$", line)
-        if head:
-            computation = head.group(1)
-            continue
-        m = re.match(r"^\s+(?:ROOT )?%?([\w.\-]+) = (.*)$", line)
-        if m:
-            out[m.group(1)] = (m.group(2), computation)
+    from zaya_jax.explore import hlo_census
+
+    out = {}
+    for computation, lines in hlo_census.computations(hlo)[0].items():
+        for line in lines:
+            m = re.match(r"^\s+(?:ROOT )?%?([\w.\-]+) = (.*)$", line)
+            if m:
+                out[m.group(1)] = (m.group(2), computation)
     return out
 
 
 def kind_of(text: str, called: list[str]) -> str:
     """The kind of op an instruction is (see the module docstring); `called` holds the instructions
     of the computations it calls (a fusion's body)."""
+    from zaya_jax.explore import hlo_census
+
     opcode = _opcode(text)
-    if opcode.removesuffix("-start").removesuffix("-done") in COLLECTIVES:
+    if opcode.removesuffix("-start").removesuffix("-done") in hlo_census.COLLECTIVES:
         return "collective"
     if opcode == "custom-call":
         target = re.search(r'custom_call_target="([^"]*)"', text)
@@ -198,9 +195,10 @@ def by_kernel_name(name: str) -> tuple[str, str] | None:
 
 def shape_bytes(text: str) -> int:
     """Bytes of the first shape (or tuple of shapes) the text writes: an instruction's result."""
+    from zaya_jax.explore import hlo_census
+
     head = text.split("(", 1)[0] if not text.startswith("(") else text[: _tuple_end(text)]
-    return sum(BYTES.get(dt, 4) * math.prod(int(x) for x in dims.split(",") if x)
-               for dt, dims in re.findall(r"\b([a-z]+\d*)\[([\d,]*)\]", head))
+    return sum(hlo_census.array_bytes(head))
 
 
 def tally(hlo: str, trace_path: str, steps: int) -> tuple[list[dict], float]:

@@ -41,7 +41,7 @@ class Collective:
 def census(hlo: str, mesh_shape: dict[str, int] | None = None) -> list[Collective]:
     """Every collective of a compiled program's HLO text; `mesh_shape` ({axis: size}, in mesh
     order) names the axes of their replica groups."""
-    bodies, entry = _computations(hlo)
+    bodies, entry = computations(hlo)
     runs = _runs(bodies, entry)
     out = []
     for name, lines in bodies.items():
@@ -60,7 +60,8 @@ def total(collectives: list[Collective], op: str, axis: str | None = None) -> tu
     return sum(c.runs for c in chosen), sum(c.runs * c.bytes for c in chosen)
 
 
-def _computations(hlo: str) -> tuple[dict[str, list[str]], str]:
+def computations(hlo: str) -> tuple[dict[str, list[str]], str]:
+    """({computation: its instruction lines}, the entry computation's name) of HLO text."""
     bodies: dict[str, list[str]] = {}
     entry, current = "", None
     for line in hlo.splitlines():
@@ -98,11 +99,16 @@ def _runs(bodies: dict[str, list[str]], entry: str) -> dict[str, int]:
     return dict(runs)
 
 
+def array_bytes(shapes: str) -> list[int]:
+    """The bytes of each array shape written in `shapes` (`f32[4,8]`, a tuple's one by one)."""
+    return [_BYTES[t] * math.prod(int(d) for d in dims.split(",") if d) for t, dims in _SHAPE.findall(shapes)]
+
+
 def _result_bytes(shapes: str, op: str, started: bool) -> int:
-    arrays = [(_BYTES[t], math.prod(int(d) for d in dims.split(",") if d)) for t, dims in _SHAPE.findall(shapes)]
+    arrays = array_bytes(shapes)
     if started and op == "all-gather" and len(arrays) >= 2:  # (operand, result): count the result
         arrays = arrays[len(arrays) // 2:]
-    return sum(size * count for size, count in arrays)
+    return sum(arrays)
 
 
 def _group_axes(line: str, mesh_shape: dict[str, int] | None) -> tuple[str, ...]:
