@@ -22,7 +22,6 @@ import os
 import sys
 import tarfile
 import tempfile
-import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
@@ -124,29 +123,22 @@ def _case(name: str, layers: int, extra: list[str], args, keep: str | None) -> d
 
     from gpu_check import EXPERIMENT, step_overrides
     from zaya_jax.experiment import load_experiment
-    from zaya_jax.explore import xla_terms
+    from zaya_jax.explore.against_xla import memory_report
     from zaya_jax.train.program import build_program
 
     overrides = step_overrides(layers, args.seq_len, args.batch) + extra
     predicted = _predicted(overrides, args.hardware)
     program = build_program(load_experiment(EXPERIMENT, overrides), jax.devices()[:1])
     folder = tempfile.mkdtemp(prefix="zaya_gpu_mem_") if keep else None
-    start = time.perf_counter()
-    with xla_terms.dumping(keep=folder) as (options, read_peak):
-        compiled, phases = program.compile_train_step_phases(options)
-        try:
-            buffers = read_peak()
-        finally:
-            if keep:
-                _keep(folder, keep)
-        xla = xla_terms.attribute(buffers, xla_terms.total_bytes(compiled))
-    mem = compiled.memory_analysis()
-    top = sorted(buffers, key=lambda b: -b.bytes)[:12]
-    return {"case": name, "layers": layers, "overrides": overrides, "predicted": predicted, "xla": xla,
-            "ratio": sum(xla.values()) / sum(predicted.values()),
-            "xla_argument_bytes": int(mem.argument_size_in_bytes), "xla_temp_bytes": int(mem.temp_size_in_bytes),
-            "compile_s": round(time.perf_counter() - start, 1), "phases": phases,
-            "largest_at_peak": [[b.bytes, b.shape, b.opcode, b.op_name[:160]] for b in top]}
+    try:
+        got = memory_report(program, terms=True, keep=folder, largest=12)
+    finally:
+        if keep:
+            _keep(folder, keep)  # also when XLA's reports could not be read
+    return {"case": name, "layers": layers, "overrides": overrides, "predicted": predicted, "xla": got["terms"],
+            "ratio": sum(got["terms"].values()) / sum(predicted.values()),
+            "xla_argument_bytes": got["argument_bytes"], "xla_temp_bytes": got["temp_bytes"],
+            "compile_s": got["compile_s"], "phases": got["phases"], "largest_at_peak": got["largest_at_peak"]}
 
 
 def _keep(folder: str, dest: str) -> None:

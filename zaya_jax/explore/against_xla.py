@@ -26,21 +26,28 @@ def compiled_overrides(overrides: list[str]) -> list[str]:
     return kernel + list(overrides)
 
 
-def memory_report(program, terms: bool = False) -> dict:
+def memory_report(program, terms: bool = False, keep: str | None = None, largest: int = 0) -> dict:
     """Compile the program's train step; its per-device memory analysis and compile time (in all, and
     per phase: trace, lower, XLA compile); with `terms`, its bytes at the peak by explorer term
-    (`xla_terms`)."""
+    (`xla_terms`), XLA's reports left in `keep` if given, and the `largest` buffers at the peak
+    (bytes, shape, opcode, op name)."""
     if terms:
-        with xla_terms.dumping() as (options, read_peak):
+        with xla_terms.dumping(keep) as (options, read_peak):
             compiled, phases = program.compile_train_step_phases(options)
-            by_term = xla_terms.attribute(read_peak(), xla_terms.total_bytes(compiled))
+            buffers = read_peak()
+            by_term = xla_terms.attribute(buffers, xla_terms.total_bytes(compiled))
     else:
         compiled, phases = program.compile_train_step_phases()
     mem = compiled.memory_analysis()
     report = {"argument_bytes": int(mem.argument_size_in_bytes), "output_bytes": int(mem.output_size_in_bytes),
               "alias_bytes": int(mem.alias_size_in_bytes), "temp_bytes": int(mem.temp_size_in_bytes),
               "compile_s": round(sum(phases.values()), 1), "phases": phases}
-    return report | ({"terms": by_term} if terms else {})
+    if terms:
+        report["terms"] = by_term
+    if terms and largest:
+        top = sorted(buffers, key=lambda b: -b.bytes)[:largest]
+        report["largest_at_peak"] = [[b.bytes, b.shape, b.opcode, b.op_name[:160]] for b in top]
+    return report
 
 
 def compile_layout(config_path: str, overrides: list[str], layout: dict[str, int], devices, terms: bool = False) -> dict:
