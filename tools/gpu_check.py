@@ -261,10 +261,9 @@ def run_bench(ctx: dict, budget: float) -> dict:
     stem = re.sub(r"[^a-z0-9]+", "_", ctx["device_kind"].lower()).strip("_")
     path = os.path.join(ctx["out_dir"], f"kernels_{size}_{stem}.json")
     out = {"seconds": run["seconds"], "size": size}
-    if run["timed_out"]:
-        return {**out, "status": "timeout", "error": f"timed out after {budget:.0f} s"}
-    if run["rc"] != 0 or not os.path.isfile(path):
-        return {**out, "status": "error", "error": f"exit status {run['rc']}: {last_words(run['lines'])}"}
+    failed = json_part_failure(run, budget, path)
+    if failed:
+        return {**out, **failed}
     with open(path) as f:
         rows = json.load(f)["rows"]
     failed = [r for r in rows if "error" in r]
@@ -274,6 +273,15 @@ def run_bench(ctx: dict, budget: float) -> dict:
         return {**out, "status": "failed", "error": f"{len(failed)} of {len(rows)} measurements failed, first "
                 f"{r['kernel']}/{r['backend']}/{r['pass']}: {r['error'][:160]}"}
     return {**out, "status": "ok"}
+
+
+def json_part_failure(run: dict, budget: float, path: str) -> dict | None:
+    """The status of a part whose subprocess writes its results to `path`, if it did not."""
+    if run["timed_out"]:
+        return {"status": "timeout", "error": f"timed out after {budget:.0f} s"}
+    if run["rc"] != 0 or not os.path.isfile(path):
+        return {"status": "error", "error": f"exit status {run['rc']}: {last_words(run['lines'])}"}
+    return None
 
 
 def shown_path(path: str) -> str:
@@ -291,10 +299,9 @@ def run_profile(ctx: dict, budget: float) -> dict:
            f"--seq-len={args.seq_len}", f"--batch={args.batch}", f"--out={path}"]
     run = run_child(cmd + (["--allow-cpu"] if ctx["target"] == "cpu" else []), child_env(ctx["target"]), budget)
     out = {"seconds": run["seconds"]}
-    if run["timed_out"]:
-        return {**out, "status": "timeout", "error": f"timed out after {budget:.0f} s"}
-    if run["rc"] != 0 or not os.path.isfile(path):
-        return {**out, "status": "error", "error": f"exit status {run['rc']}: {last_words(run['lines'])}"}
+    failed = json_part_failure(run, budget, path)
+    if failed:
+        return {**out, **failed}
     with open(path) as f:
         profiled = json.load(f)
     keep = ("layers", "seq_len", "batch", "micro_batches", "model", "kernels", "remat", "step_s", "rows",
