@@ -40,7 +40,7 @@ from zaya_jax.explore import inventory, memory
 from zaya_jax.explore.collectives import Network
 from zaya_jax.explore.placement import Span, spans
 from zaya_jax.explore.workload import Workload, Share, lasp2_ends_bytes, lasp2_state_bytes, share
-from zaya_jax.kernels import tiled_grouped_matmul, tuning
+from zaya_jax.kernels import pallas_linear_attention, tiled_grouped_matmul, tuning
 from zaya_jax.model.layer_stack import MIXERS
 from zaya_jax.parallel import zigzag
 from zaya_jax.parallel.axes import BATCH_AXES, SEQUENCE_AXES
@@ -124,11 +124,11 @@ def flops_by_kernel(run: Workload, sizes: dict[str, int], s: Share) -> dict[str,
 
 def linear_chunk(run: Workload) -> int:
     """Tokens per chunk of the linear layers' kernel: the `xla` form's `XLA_CHUNK`, Pallas's block
-    for the device and dtype (`kernels.tuning`), neither longer than the sequence (Pallas's rounded
-    up to a power of two)."""
+    for the device and dtype (`kernels.tuning`, fitted to the sequence as the kernel fits it),
+    neither longer than the sequence (Pallas's rounded up to a power of two)."""
     if run.backend("linear_attention", run.cfg.linear_kernel) == "pallas":
-        row = tuning.row_name(run.hw.target, run.cfg.compute_dtype)
-        return min(tuning.TABLE[row]["linear_attention"].block, max(16, 1 << (run.seq_len - 1).bit_length()))
+        blocks = tuning.TABLE[tuning.row_name(run.hw.target, run.cfg.compute_dtype)]["linear_attention"]
+        return pallas_linear_attention.fit_blocks(blocks, run.seq_len, run.cfg.head_dim).block
     return min(LINEAR_CHUNK, run.seq_len)
 
 

@@ -74,7 +74,7 @@ def linear_attention(q, k, v, segment_ids=None, *, log_decay=None, initial_state
     check_head_dims(dk, dv)
     k, v = k.astype(q.dtype), v.astype(q.dtype)  # one operand dtype for every dot
     dk_pad, dv_pad = pl.next_power_of_2(dk), pl.next_power_of_2(dv)
-    blocks = _fit_blocks(blocks or blocks_for("linear_attention", q.dtype), seq, dv_pad)
+    blocks = fit_blocks(blocks or blocks_for("linear_attention", q.dtype), seq, dv_pad)
     plan = _Plan(groups=nq // nk, blocks=blocks, interpret=bool(interpret),
                  precision=lax.Precision.HIGHEST if q.dtype == jnp.float32 else None)
     seq_pad = -(-seq // blocks.block) * blocks.block
@@ -97,7 +97,7 @@ def _pad_last(x, sizes):
     return jnp.pad(x, pad) if any(p for _, p in pad) else x
 
 
-def _fit_blocks(blocks: LinearAttentionBlocks, seq: int, dv: int) -> LinearAttentionBlocks:
+def fit_blocks(blocks: LinearAttentionBlocks, seq: int, dv: int) -> LinearAttentionBlocks:
     """Shrink the blocks for short sequences and narrow values (never below 16, Triton's smallest dot tile)."""
     return dataclasses.replace(blocks, block=min(blocks.block, max(16, pl.next_power_of_2(seq))),
                                block_dv=min(blocks.block_dv, dv))
