@@ -18,7 +18,7 @@ PRIVATE = re.compile(r"jax\._src|_src\.|experimental_orbax|/jax/compilation_cach
 def test_every_reach_resolves_on_the_installed_jax():
     found = jax_compat.reaches()
     assert callable(found["backends_started"]) and callable(found["reset_compilation_cache"])
-    assert callable(found["triton_module_builder"])
+    assert callable(found["triton_module_builder"]) and callable(found["cache_write"])
     assert hasattr(found["distributed_state"], "client")
     assert isinstance(jax_compat.backends_started(), bool)
     assert jax_compat.in_distributed_run() is False  # this process joined no job
@@ -38,7 +38,8 @@ def test_the_orbax_barrier_flag_is_set_where_orbax_reads_it():
 
 
 @pytest.mark.parametrize("reach, module", [(jax_compat.backends_started, "jax._src.xla_bridge"),
-                                           (lambda: jax_compat.wait_at_barrier("x", 1), "jax._src.distributed")])
+                                           (lambda: jax_compat.wait_at_barrier("x", 1), "jax._src.distributed"),
+                                           (jax_compat.cache_entries_from_every_process, "jax._src.compiler")])
 def test_a_moved_reach_is_one_line_naming_the_jax_version(monkeypatch, reach, module):
     real = importlib.import_module
 

@@ -152,6 +152,21 @@ def test_a_checkpoint_reshards_over_1_2_and_4_processes_with_no_document_repeate
         _same_model(_model(workdir), _model(whole), exact=False, name=name)
 
 
+def test_every_process_of_a_cpu_job_loads_its_train_step_from_the_cache_when_run_again(tmp_path):
+    """On CPU each process's cache keys are its own and JAX writes from process 0 only: each process
+    writes its compiled train step, and the job run again compiles it in no process."""
+    cache = tmp_path / "cache"
+    env = zaya_env(None, JAX_DEBUG_LOG_MODULES="jax._src.compiler")  # JAX's own line for each hit
+    for run in ("first", "again"):
+        done = zaya("launch", "-n", "2", "--cpu-devices", "1", "--",
+                    *_train_args(tmp_path / run, 1, f"--config.train.compile_cache={cache}"), env=env)
+        assert done.returncode == 0, done.stderr[-3000:]
+    assert len([name for name in os.listdir(cache) if name.startswith("jit_train_step")]) == 2  # one per process
+    hits = re.findall(r"^\[(\d)\] .*Persistent compilation cache hit for 'jit_train_step'", done.stdout + done.stderr,
+                      re.MULTILINE)
+    assert sorted(hits) == ["0", "1"], (done.stdout + done.stderr)[-3000:]
+
+
 def _same_model(got: dict, expected: dict, exact: bool, name: str) -> None:
     assert got.keys() == expected.keys()
     for key in got:

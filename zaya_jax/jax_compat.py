@@ -5,7 +5,8 @@
   `in_distributed_run`, `wait_at_barrier`, `key_value_set`, `key_value_dir_get`;
 - Orbax's absl flag that makes it synchronise through that runtime: `use_orbax_coordination_barriers`;
 - the monitoring event JAX records for a compile served from the persistent cache: `CACHE_HIT_EVENT`,
-  and the reset of JAX's cache choice: `reset_compilation_cache`;
+  the reset of JAX's cache choice: `reset_compilation_cache`, and its cache writer, which writes from
+  process 0 only: `cache_entries_from_every_process`;
 - Pallas's Triton module builder, wrapped so that every module it builds is verified as Triton will
   verify it on the GPU: `verifying_triton_modules`.
 
@@ -43,6 +44,7 @@ def _moved(what: str, detail: str) -> JaxInternalsMoved:
 _BACKENDS_STARTED = ("jax._src.xla_bridge", "backends_are_initialized", "the 'backends started' query")
 _DISTRIBUTED_STATE = ("jax._src.distributed", "global_state", "the distributed runtime's state")
 _CACHE_RESET = ("jax.experimental.compilation_cache.compilation_cache", "reset_cache", "the compilation cache reset")
+_CACHE_WRITE = ("jax._src.compiler", "_cache_write", "the persistent compilation cache's writer")
 _TRITON_MODULE = ("jax._src.pallas.triton.lowering", "lower_jaxpr_to_triton_module", "Pallas's Triton module builder")
 
 
@@ -139,6 +141,31 @@ def verifying_triton_modules():
         setattr(module, _TRITON_MODULE[1], build)
 
 
+def cache_entries_from_every_process() -> None:
+    """Let every process write its compiled programs to the persistent cache, not process 0 alone.
+
+    JAX writes from process 0 only, so that processes compiling the same key do not contend for one
+    file. On CPU the keys differ by process (each process's CPU topology fingerprint is its own), so
+    without this the other processes never find an entry and compile again at every start and
+    restart. Only the writer's check sees process 0; nothing else does."""
+    write = _private(*_CACHE_WRITE)
+    if getattr(write, "zaya_every_process", False):
+        return
+    state = _private(*_DISTRIBUTED_STATE)
+    if not hasattr(state, "process_id"):
+        raise _moved("the distributed runtime's process id", "global_state has no 'process_id'")
+
+    def every_process(*args, **kwargs):
+        own, state.process_id = state.process_id, 0
+        try:
+            return write(*args, **kwargs)
+        finally:
+            state.process_id = own
+
+    every_process.zaya_every_process = True
+    setattr(sys.modules[_CACHE_WRITE[0]], _CACHE_WRITE[1], every_process)
+
+
 def _first_diagnostic(e: Exception) -> str:
     """'op failed to verify ...' with the kernel source line, from an MLIR verification error's text."""
     lines = [x.strip() for x in str(e).splitlines() if x.strip().startswith("error:")]
@@ -157,6 +184,7 @@ def reaches() -> dict:
         "backends_started": _private(*_BACKENDS_STARTED),
         "distributed_state": _private(*_DISTRIBUTED_STATE),
         "reset_compilation_cache": _private(*_CACHE_RESET),
+        "cache_write": _private(*_CACHE_WRITE),
         "triton_module_builder": _private(*_TRITON_MODULE),
         "jax": jax.__version__,
     }

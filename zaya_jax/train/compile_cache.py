@@ -5,7 +5,9 @@ resumed run loads its compiled step instead of compiling it again; or the direct
 `JAX_COMPILATION_CACHE_DIR` names, when that is set, so a cache a cluster shares keeps working),
 `off`, or a directory that several runs share. JAX decides at a process's first compile whether
 it uses a cache, so `use` resets JAX's cache state and points it at the run's directory before
-the run compiles anything.
+the run compiles anything. In a job of several processes on CPU, where JAX's keys differ by process,
+every process writes its own entries (`jax_compat.cache_entries_from_every_process`): JAX writes
+from process 0 only, and the others would compile again at every start and restart.
 `Hits` counts the compiles served from the cache (JAX's cache-hit monitoring event).
 """
 
@@ -30,8 +32,9 @@ def directory(setting: str, workdir: str) -> str | None:
     return os.path.abspath(setting)
 
 
-def use(setting: str, workdir: str) -> str | None:
-    """Point JAX's persistent compilation cache at the run's directory (created here); return it."""
+def use(setting: str, workdir: str, every_process: bool = False) -> str | None:
+    """Point JAX's persistent compilation cache at the run's directory (created here); return it.
+    `every_process`: each process writes its own entries (a multi-process job on CPU)."""
     path = directory(setting, workdir)
     if path is not None:
         try:
@@ -41,6 +44,8 @@ def use(setting: str, workdir: str) -> str | None:
                             "name a writable directory, or use 'workdir' or 'off'") from None
     jax_compat.reset_compilation_cache()  # an earlier compile in this process fixed JAX's choice
     jax.config.update("jax_compilation_cache_dir", path)
+    if path is not None and every_process:
+        jax_compat.cache_entries_from_every_process()
     return path
 
 

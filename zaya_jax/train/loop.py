@@ -98,7 +98,9 @@ def train(exp: Experiment, workdir: str, devices=None, out=sys.stdout, topology:
     check_resumable(program, os.path.abspath(workdir))  # a checkpoint this run cannot resume: said first
     workdir = prepare_workdir(workdir)
     events, ledger = _event_log(workdir, attempt, primary)
-    compile_cache.use(c.train.compile_cache, workdir)  # before anything compiles
+    # Before anything compiles. On CPU each process's cache keys are its own: each writes them.
+    own_keys = jax.process_count() > 1 and program.devices_target == "cpu"
+    compile_cache.use(c.train.compile_cache, workdir, every_process=own_keys)
     iterator = data.train_iterator(program.data_lanes())
     barriers.use_coordination_barriers()  # before Orbax's first barrier
     checkpoints = RunCheckpoints(os.path.join(workdir, "checkpoints"), c.checkpoint.keep, c.checkpoint.async_save)
