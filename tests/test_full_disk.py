@@ -12,8 +12,10 @@ import pytest
 from paths import TINY
 from zaya_process import zaya
 
-RUN = ["--config.checkpoint.every_steps=10", "--config.train.compile_cache=off", "--config.eval.every_steps=0",
-       "--config.train.progress=False", "--config.checkpoint.async_save=True"]
+# The test session's compilation cache (tests/conftest.py), off the small filesystem: the three runs
+# compile the step once.
+RUN = ["--config.checkpoint.every_steps=10", f"--config.train.compile_cache={os.environ['JAX_COMPILATION_CACHE_DIR']}",
+       "--config.eval.every_steps=0", "--config.train.progress=False", "--config.checkpoint.async_save=True"]
 
 
 @pytest.fixture
