@@ -15,6 +15,16 @@ On a machine with one GPU, `--mock-gpus` presents it as 8 devices whose collecti
 (JAX's `jax_mock_gpu_topology` 1x1x8, XLA's mocked NCCL): each layout is compiled for the GPU, with
 the GPU's own kernels, and predicted for the device's hardware profile. Nothing runs, so the
 mocked collectives never matter: only the compiled program's buffers are read.
+
+With no GPU at all, `--gpu-target FILE` compiles for 8 GPUs that an XLA GPU target config describes
+(`benchmarks/gpu_targets/h100_sxm.txtpb`: the device's limits, compute capability and kind) through
+JAX's deviceless AOT compilation (`jax.experimental.topologies`): XLA's own GPU compiler, Pallas
+kernels lowered to Triton and assembled by ptxas, its buffer assignment read as above. It needs
+JAX's CUDA plugin beside the same jax, best in a venv of its own (it is 5 GB; no driver is used):
+
+    python -m venv .venv-cuda && .venv-cuda/bin/pip install -e . "jax[cuda12]==$(python -c 'import jax; print(jax.__version__)')"
+    .venv-cuda/bin/python benchmarks/explorer_drawn_shapes.py --gpu-target benchmarks/gpu_targets/h100_sxm.txtpb \\
+        --first-seed 24 --seeds 12 --out benchmarks/explorer_drawn_shapes_h100_seeds24_35.json
 """
 
 from __future__ import annotations
@@ -38,7 +48,13 @@ def main(argv=None) -> int:
     p.add_argument("--first-seed", type=int, default=0, help="the first seed (default 0)")
     p.add_argument("--layouts", type=int, default=2, help="8-device layouts compiled per shape")
     p.add_argument("--mock-gpus", action="store_true", help="one GPU seen as 8 (compile only; see above)")
+    p.add_argument("--gpu-target", metavar="FILE", help="no GPU: compile for 8 GPUs this XLA target config "
+                   "describes (deviceless; needs JAX's CUDA plugin, see above)")
     args = p.parse_args(argv)
+    if args.gpu_target:
+        os.environ["JAX_PLATFORMS"] = "cpu"  # the CUDA plugin then registers without looking for a driver
+
+    import contextlib
 
     import jax
 
@@ -54,22 +70,30 @@ def main(argv=None) -> int:
     from zaya_jax.explore.placement import describe
     from zaya_jax.explore.workload import Workload
 
-    if len(jax.devices()) < 8:
+    from zaya_jax.kernels.registry import targeting
+
+    devices = _deviceless_gpus(args.gpu_target) if args.gpu_target else jax.devices()
+    if len(devices) < 8:
         _fail("run with XLA_FLAGS=--xla_force_host_platform_device_count=8 (on one GPU: --mock-gpus)")
-    device = jax.devices()[0]
+    device = devices[0]
     hw = hardware.detect(device)
     if hw is None:
         _fail(f"no hardware profile for {device.device_kind}; the prediction needs one (zaya_jax/hardware.py)")
     on_gpu = device.platform != "cpu"
-    where = f"8 mocked {device.device_kind} devices" if on_gpu else "8 fake CPU devices"
+    where = ("8 deviceless " if args.gpu_target else "8 mocked ") + f"{device.device_kind} devices" if on_gpu \
+        else "8 fake CPU devices"
+    # Deviceless, this machine is a CPU: the kernels are built and checked for the GPU's target instead.
+    gpu_kernels = (lambda: targeting("cuda")) if args.gpu_target else contextlib.nullcontext
     rows = []
     for seed in range(args.first_seed, args.first_seed + args.seeds):
         # On a GPU its own kernels (auto: Pallas), not the CPU's stand-in for them.
         overrides = draw(seed) + (["--config.model.moe_kernel=auto"] if on_gpu else [])
-        run = Workload.from_experiment(load_experiment(CONFIG, compiled_overrides(overrides)), hw, 1, 8)
+        with gpu_kernels():
+            run = Workload.from_experiment(load_experiment(CONFIG, compiled_overrides(overrides)), hw, 1, 8)
         fitting, _ = candidates(run)
         for sizes in random.Random(seed).sample(fitting, min(args.layouts, len(fitting))):
-            got = compile_layout(CONFIG, overrides, sizes, jax.devices()[:8], terms=True)
+            with gpu_kernels():
+                got = compile_layout(CONFIG, overrides, sizes, devices[:8], terms=True)
             if "error" in got:
                 print(f"seed {seed} {describe(sizes)}: {got['error']}", flush=True)
                 continue
@@ -85,6 +109,24 @@ def main(argv=None) -> int:
         f.write(markdown)
     print(markdown)
     return 0
+
+
+def _deviceless_gpus(path: str) -> list:
+    """8 compile-only CUDA devices of the GPU `path` describes (an XLA GPU target config, text proto)."""
+    from jax.experimental import topologies
+
+    try:
+        with open(path, encoding="utf-8") as f:
+            config = f.read()
+    except OSError as e:
+        _fail(f"--gpu-target {path}: {e.strerror}")
+    try:
+        return list(topologies.get_topology_desc(platform="cuda", target_config=config, topology="1x1x8").devices)
+    except NotImplementedError:
+        _fail("--gpu-target needs JAX's CUDA plugin for this jax: pip install \"jax[cuda12]==<this jax's version>\" "
+              "(a venv of its own: see the top of this file)")
+    except Exception as e:  # XLA's parse or topology error: its first line says which
+        _fail(f"--gpu-target {path}: XLA refused it as a GPU target config ({str(e).strip().splitlines()[0]})")
 
 
 def _fail(message: str) -> None:
