@@ -192,3 +192,29 @@ def test_a_compiled_xla_grouped_matmul_backward_puts_every_masked_operand_in_ker
     assert masked and {xla_terms.term_of(b, set()) for b in masked} == {"kernel"}
     assert "kernel" not in {xla_terms.term_of(b, set()) for b in products}
     assert sum(b.bytes for b in masked) >= 2 * experts * rows * hidden * 4  # at least two [E, rows, H] copies
+
+
+def test_the_losss_backward_is_the_loss_under_its_callers_derivative():
+    """The loss's custom backward rule runs in its own scope, which the caller's derivative wraps
+    (`transpose(jvp(loss))`): the [512, 1024] logits it rebuilds are the loss's buffers, not a
+    block's working set."""
+    @jax.custom_vjp
+    def loss(h, table):
+        return jnp.sum(jax.nn.logsumexp(h @ table.T, axis=-1))
+
+    @jax.named_scope("loss")
+    def forward(h, table):
+        return loss(h, table), (h, table)
+
+    @jax.named_scope("loss")
+    def backward(saved, g):
+        h, table = saved
+        probabilities = jax.nn.softmax(h @ table.T, axis=-1) * g  # [512, 1024], rebuilt
+        return probabilities @ table, probabilities.T @ h
+
+    loss.defvjp(forward, backward)
+    h, table = jnp.ones((512, 128)), jnp.ones((1024, 128)) * 0.01
+    terms, buffers, _ = _attributed(jax.grad(lambda h, t: loss(jnp.tanh(h), t), argnums=(0, 1)), h, table)
+    rebuilt = [b for b in buffers if "transpose(jvp(loss))" in b.op_name and b.shape == "f32[512,1024]"]
+    assert rebuilt, [(b.shape, b.op_name) for b in buffers]
+    assert terms["loss"] >= 512 * 1024 * 4

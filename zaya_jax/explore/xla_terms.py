@@ -9,7 +9,7 @@ counted once). Each buffer live there goes to one term, by what made it (`term_o
   parameters, optimizer, inputs  the step's arguments, by their names (`state.params[...]`, ...)
   gradients           made by the backward (`transpose(...)` in its op name) or carried between
                       micro-batches, with the shape of a parameter's shard (whole, or one layer's)
-  loss                made under the loss's scope
+  loss                made under the loss's scope (its backward's too: `transpose(jvp(loss))`)
   schedule            a collective's result: gathered weights, K/V or states, routed tokens
   update              made outside the differentiated step: the optimizer and balancer update
   stored_activations  made by the forward (`jvp(...)`): what the backward will read
@@ -258,6 +258,12 @@ def _cpu_only_scope(op_name: str) -> bool:
     return any(re.search(re.escape(scope) + r"\)*/", op_name) for scope in CPU_ONLY_SCOPES)
 
 
+def _scopes(op_name: str) -> list[str]:
+    """The named scopes of an op name, each stripped of the transformations around it: a custom
+    rule's own scope under its caller's derivative (`transpose(jvp(loss))`) is `loss`."""
+    return [re.sub(r"^(?:\w+\()*([^()]*)\)*$", r"\1", part) for part in op_name.split("/")]
+
+
 def term_of(b: Buffer, param_shapes: set[str]) -> str:
     name = b.op_name
     if name.startswith("state.params"):
@@ -275,7 +281,7 @@ def term_of(b: Buffer, param_shapes: set[str]) -> str:
         return "kernel"  # the product's own [rows, width] operands and result are activations
     if not name:
         return "xla_copies"
-    if "loss" in name.split("/"):
+    if "loss" in _scopes(name):
         return "loss"
     if b.opcode in COLLECTIVES:
         return "schedule"
