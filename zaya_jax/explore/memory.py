@@ -13,18 +13,21 @@ widths) — summed over the layers of each kind, then scaled by the remat policy
 * dots: every block keeps its matmul outputs; the rest of one block is recomputed at a time.
 * moe: every block keeps its input and the MoE's sorted tokens and grouped-matmul outputs.
 
-The backward of the block being differentiated holds about as much again (its gradients), and
-for its experts one layer's weights twice (as its input-gradient matmuls read them, gathered over
-fsdp, and their gradients before the reduction). Added on top: the chunked loss ([tokens, chunk]
-fp32 logits, probabilities and their gradient, plus the fp32 final hidden states), the schedules'
-buffers (FSDP's gathered dense layer and embedding, TSP's gathered attention bucket and ring slices,
-the K/V or the linear layers' memory states gathered along the sequence), the accumulated gradients
-when there are several micro-batches, copies of every layer's expert weights where a hybrid
-pattern's unit holds several layers without remat (`stored_weight_bytes`), XLA:CPU's masked
-operands of `ragged_dot` on a CPU device (`cpu_kernel_bytes`, no GPU has them) and the step's input
-arrays. The update is a second candidate peak: one set of gradients (the last micro-batch is in
-the sum by then), Muon's Newton–Schulz temporaries and, on a CPU device, the clipped copy and the
-new values beside the old; the prediction is the larger.
+The backward of the block being differentiated holds about as much again (its gradients), and for
+its experts one layer's weights twice (as its input-gradient matmuls read them, gathered over fsdp,
+and their gradients before the reduction). Added on top: the schedules' buffers (FSDP's gathered
+dense layer and embedding, TSP's gathered attention bucket and ring slices, the K/V or the linear
+layers' memory states gathered along the sequence), the accumulated gradients when there are several
+micro-batches, copies of every layer's expert weights where a hybrid pattern's unit holds several
+layers without remat (`stored_weight_bytes`), XLA:CPU's masked operands of `ragged_dot` on a CPU
+device (`cpu_kernel_bytes`, no GPU has them) and the step's input arrays. The loss is a second
+candidate peak, between the last block's forward and the first block's backward: what the blocks
+keep, the chunked loss ([tokens, chunk] fp32 logits, probabilities and their gradient, plus the fp32
+final hidden states), the gathered embedding and the head's gradient, but no block's working set and
+none of the blocks' gradients yet (on a GPU at ZAYA1-like widths XLA's peak is often here). The
+update is a third: one set of gradients (the last micro-batch is in the sum by then), Muon's
+Newton–Schulz temporaries and, on a CPU device, the clipped copy and the new values beside the old;
+the prediction is the largest.
 `HEADROOM` of the HBM is kept free for the framework, collective scratch and fragmentation.
 """
 
@@ -207,6 +210,17 @@ def gathered_kv_bytes(run: Workload, sizes: dict[str, int], s: Share) -> float:
     return s.tokens * chunks * 2 * s.kv_heads * run.cfg.head_dim * run.compute_bytes if chunks > 1 else 0.0
 
 
+def embedding_bytes(run: Workload, sizes: dict[str, int], gathered_over: tuple[str, ...] = ()) -> float:
+    """The embedding table (the tied LM head) on a device: as stored, or gathered over `gathered_over`."""
+    return sum(inventory.local_bytes(g, sizes, gathered_over) for g in inventory.param_groups(run.cfg)
+               if g.part == "embedding")
+
+
+def gathered_embedding_bytes(run: Workload, sizes: dict[str, int]) -> float:
+    """The embedding gathered for the loss over the axes that split its hidden dimension (0 unsplit)."""
+    return embedding_bytes(run, sizes, ("fsdp", "tsp")) if sizes["fsdp"] > 1 or sizes["tsp"] > 1 else 0.0
+
+
 def schedule_bytes(run: Workload, sizes: dict[str, int], s: Share) -> dict[str, float]:
     """The buffers each parallel schedule adds (fp32 weights are gathered as stored)."""
     cfg, kinds = run.cfg, run.cfg.layer_kinds
@@ -217,9 +231,7 @@ def schedule_bytes(run: Workload, sizes: dict[str, int], s: Share) -> dict[str, 
         # experts' gathered weights are the backward's `block_weights`; TSP's circulate instead.
         dense = max(sum(inventory.local_bytes(g, sizes, ("fsdp", "tsp")) for g in inventory.block_groups(cfg, kind)
                         if g.part != "experts") for kind in MIXERS if kind in kinds)
-        embedding = sum(inventory.local_bytes(g, sizes, ("fsdp", "tsp"))
-                        for g in inventory.param_groups(cfg) if g.part == "embedding")
-        out["gathered_weights"] = 2 * dense + embedding
+        out["gathered_weights"] = 2 * dense + gathered_embedding_bytes(run, sizes)
     if sizes["tsp"] > 1:  # the slice in use and the one arriving
         out["ring_slices"] = 2 * expert_weights(run, sizes, parts=("experts",))
     if sizes["tsp"] * sizes["sequence"] > 1:
@@ -288,7 +300,8 @@ def muon_temporaries(run: Workload, sizes: dict[str, int]) -> float:
 
 def predict(run: Workload, sizes: dict[str, int]) -> Memory:
     """The step's peak: the backward's (activations, schedules' buffers, the last block's working
-    set) or the update's (the clipped gradients and the new values beside the old), the larger."""
+    set), the loss's (activations, its chunks) or the update's (the clipped gradients and the new
+    values beside the old), the largest."""
     state = inventory.state_bytes(run.cfg, sizes, run.zero1)
     s = share(run, sizes)
     grads = state.grads * (2 if run.grad_accum > 1 else 1)  # the running sum and this micro-batch's
@@ -303,10 +316,16 @@ def predict(run: Workload, sizes: dict[str, int]) -> Memory:
         "block_weights": 2 * expert_weights(run, sizes),
         "stored_weights": stored_weight_bytes(run, sizes),
         "cpu_kernel": cpu_kernel_bytes(run, sizes, s),
-        "loss": loss_bytes(run, s.tokens, inventory.vocab_split(run.cfg, sizes)),
         **schedule_bytes(run, sizes, s),
         "inputs": inputs,
     }
+    # The loss runs between the last block's forward and the first block's backward: beside what the
+    # forward kept, its chunked working set and the gathered embedding; of the gradients only the
+    # head's (and earlier micro-batches' running sum) exist yet.
+    loss = {**{k: backward[k] for k in ("stored_activations", "stored_gathered", "stored_weights", "inputs")},
+            "loss": loss_bytes(run, s.tokens, inventory.vocab_split(run.cfg, sizes)),
+            "gathered_weights": gathered_embedding_bytes(run, sizes)}
+    loss_grads = embedding_bytes(run, sizes) + (state.grads if run.grad_accum > 1 else 0.0)
     update = {
         # XLA:CPU materialises the global-norm clip's scaled gradients and the new values beside the
         # old: two more gradient-sized sets. An H200's XLA does not (ZAYA1 width, 31 layers: at its
@@ -317,6 +336,6 @@ def predict(run: Workload, sizes: dict[str, int]) -> Memory:
         "inputs": inputs,
     }
     # By the update the last micro-batch's gradients are in the running sum: one set is left.
-    phases = ((grads, backward), (state.grads, update))
+    phases = ((grads, backward), (loss_grads, loss), (state.grads, update))
     held, parts = max(phases, key=lambda p: p[0] + sum(p[1].values()))
     return Memory(state.params, held, state.optimizer, sum(parts.values()), parts)
