@@ -50,7 +50,15 @@ def main(argv=None) -> int:
     p.add_argument("--mock-gpus", action="store_true", help="one GPU seen as 8 (compile only; see above)")
     p.add_argument("--gpu-target", metavar="FILE", help="no GPU: compile for 8 GPUs this XLA target config "
                    "describes (deviceless; needs JAX's CUDA plugin, see above)")
+    p.add_argument("--widths", choices=("cpu", "gpu"), default="cpu", help="the draw's sizes: cpu (default; what "
+                   "a CPU compiles in seconds) or gpu (ZAYA1-like, for a GPU's compiler: explore/held_out.py)")
+    p.add_argument("--repredict", metavar="JSON", help="no compile: this file's XLA numbers against the current "
+                   "model's predictions, written to --out")
     args = p.parse_args(argv)
+    if args.repredict:
+        return _repredict(args.repredict, args.out)
+    if args.widths == "gpu" and not (args.gpu_target or args.mock_gpus):
+        _fail("--widths gpu is for a GPU's compiler: add --gpu-target FILE (no GPU) or --mock-gpus (one GPU)")
     if args.gpu_target:
         os.environ["JAX_PLATFORMS"] = "cpu"  # the CUDA plugin then registers without looking for a driver
 
@@ -87,7 +95,7 @@ def main(argv=None) -> int:
     rows = []
     for seed in range(args.first_seed, args.first_seed + args.seeds):
         # On a GPU its own kernels (auto: Pallas), not the CPU's stand-in for them.
-        overrides = draw(seed) + (["--config.model.moe_kernel=auto"] if on_gpu else [])
+        overrides = draw(seed, args.widths) + (["--config.model.moe_kernel=auto"] if on_gpu else [])
         with gpu_kernels():
             run = Workload.from_experiment(load_experiment(CONFIG, compiled_overrides(overrides)), hw, 1, 8)
         fitting, _ = candidates(run)
@@ -102,13 +110,49 @@ def main(argv=None) -> int:
                    "xla": got["terms"], "ratio": sum(got["terms"].values()) / sum(predicted.values())}
             rows.append(row)
             print(f"seed {seed:2d}  {row['layout']:28s} XLA/predicted {row['ratio']:.2f}", flush=True)
-    with open(args.out, "w", encoding="utf-8") as f:
-        json.dump({"device": where, "hardware": hw.name, "jax": jax.__version__, "rows": rows}, f, indent=1)
-    markdown = _markdown(rows, jax.__version__, where)
-    with open(os.path.splitext(args.out)[0] + ".md", "w", encoding="utf-8") as f:
+    _write(args.out, {"device": where, "hardware": hw.name, "jax": jax.__version__, "rows": rows})
+    return 0
+
+
+def _write(out: str, report: dict) -> None:
+    with open(out, "w", encoding="utf-8") as f:
+        json.dump(report, f, indent=1)
+    markdown = _markdown(report["rows"], report["jax"], report["device"])
+    with open(os.path.splitext(out)[0] + ".md", "w", encoding="utf-8") as f:
         f.write(markdown)
     print(markdown)
+
+
+def _repredict(path: str, out: str) -> int:
+    """The rows of an earlier run, each layout predicted again by the current model (XLA's side as it was)."""
+    from zaya_jax import hardware
+    from zaya_jax.experiment import load_experiment
+    from zaya_jax.explore import memory
+    from zaya_jax.explore.against_xla import compiled_overrides
+    from zaya_jax.explore.workload import Workload
+    from zaya_jax.kernels.registry import targeting
+
+    try:
+        with open(path, encoding="utf-8") as f:
+            report = json.load(f)
+        hw = hardware.profile(report.get("hardware") or "cpu")  # the first reports were all made on CPU
+    except (OSError, ValueError, KeyError) as e:
+        _fail(f"--repredict {path}: not a report this script wrote ({e})")
+    for row in report["rows"]:
+        with targeting(None if hw.target == "cpu" else hw.target):
+            run = Workload.from_experiment(load_experiment(CONFIG, compiled_overrides(row["overrides"])), hw, 1, 8)
+        row["predicted"] = memory.by_term(memory.predict(run, _sizes(row["layout"])))
+        row["ratio"] = sum(row["xla"].values()) / sum(row["predicted"].values())
+    _write(out, report)
     return 0
+
+
+def _sizes(layout: str) -> dict[str, int]:
+    """`placement.describe`'s "data 2 x tsp 4" back into every axis's size."""
+    from zaya_jax.parallel.axes import MESH_AXES
+
+    named = dict(part.split() for part in layout.split(" x ") if part != "one device")
+    return {axis: int(named.get(axis, 1)) for axis in MESH_AXES}
 
 
 def _deviceless_gpus(path: str) -> list:

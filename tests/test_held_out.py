@@ -25,3 +25,15 @@ def test_draws_repeat_per_seed_and_cover_what_they_draw():
                           "--config.train.grad_accum_steps": 2, "--config.model.num_experts": 3,
                           "--config.model.hidden_size": 5, "--config.train.seq_len": 3}.items():
         assert len({v[key] for v in values}) >= at_least, key
+
+
+def test_gpu_widths_are_the_same_draw_scaled_and_fit_8_h100s():
+    from zaya_jax.explore.held_out import GPU_EXTRA, GPU_SCALE
+
+    for seed in range(12):
+        cpu, gpu = (dict(o.removeprefix("--config.").split("=", 1) for o in draw(seed, w)) for w in ("cpu", "gpu"))
+        assert gpu == {k: str(int(v) * GPU_SCALE[k]) if k in GPU_SCALE else v for k, v in cpu.items()} | {
+            k: str(v) for k, v in GPU_EXTRA.items()}
+        exp = load_experiment(TINY, draw(seed, "gpu"))
+        fitting, refused = candidates(Workload.from_experiment(exp, hardware.profile("h100"), 1, 8))
+        assert fitting, (seed, refused.most_common(2))

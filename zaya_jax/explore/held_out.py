@@ -5,7 +5,10 @@ fitted to them.
 width, layers, heads and KV groups, head width, experts and their width, sequence length, global
 batch and micro-batches, remat policy and the hybrid pattern, each drawn from ranges a CPU compiles
 in seconds. Every draw passes the model's own validation (`config.validate`) and leaves at least one
-8-device layout.
+8-device layout. `draw(seed, widths="gpu")` is the same draw at ZAYA1-like sizes, for a GPU's
+compiler (compiled, not run: `benchmarks/explorer_drawn_shapes.py --gpu-target`): widths ×8, heads
+×4 as wide, sequences ×16 (1K–4K tokens), bf16 compute and a 16K vocabulary, so that activations,
+weights and the loss weigh as they do in a real step rather than beside XLA's small buffers.
 """
 
 from __future__ import annotations
@@ -16,8 +19,17 @@ REMAT = ("none", "full", "dots", "moe")
 PATTERNS = ("C", "C", "LC", "CL")  # CCA-only twice as often: the released models are
 
 
-def draw(seed: int) -> list[str]:
+# widths="gpu": each drawn size times this, and what a GPU step computes in.
+GPU_SCALE = {"model.hidden_size": 8, "model.head_dim": 4, "model.moe_intermediate_size": 8,
+             "model.max_position_embeddings": 16, "train.seq_len": 16}
+GPU_EXTRA = {"model.compute_dtype": "bfloat16", "model.vocab_size": 16384}
+WIDTHS = ("cpu", "gpu")
+
+
+def draw(seed: int, widths: str = "cpu") -> list[str]:
     """One drawn shape as `--config.KEY=VALUE` overrides (deterministic in `seed`)."""
+    if widths not in WIDTHS:
+        raise ValueError(f"widths must be one of {WIDTHS}, not {widths!r}")
     rng = random.Random(seed)
     head_dim = rng.choice((16, 32))
     heads = rng.choice((2, 4, 8))
@@ -42,4 +54,6 @@ def draw(seed: int) -> list[str]:
         "train.remat": rng.choice(REMAT),
         "train.scan_unroll": 1,
     }
+    if widths == "gpu":
+        values = {key: value * GPU_SCALE.get(key, 1) for key, value in values.items()} | GPU_EXTRA
     return [f"--config.{key}={value}" for key, value in values.items()]
