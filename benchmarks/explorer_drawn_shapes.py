@@ -62,23 +62,17 @@ def main(argv=None) -> int:
     if args.gpu_target:
         os.environ["JAX_PLATFORMS"] = "cpu"  # the CUDA plugin then registers without looking for a driver
 
-    import contextlib
-
     import jax
 
     if args.mock_gpus:
         jax.config.update("jax_mock_gpu_topology", "1x1x8")  # before the backend starts
 
     from zaya_jax import hardware
-    from zaya_jax.experiment import load_experiment
     from zaya_jax.explore import memory
-    from zaya_jax.explore.against_xla import compile_layout, compiled_overrides
+    from zaya_jax.explore.against_xla import compile_layout
     from zaya_jax.explore.explorer import candidates
     from zaya_jax.explore.held_out import draw
     from zaya_jax.explore.placement import describe
-    from zaya_jax.explore.workload import Workload
-
-    from zaya_jax.kernels.registry import targeting
 
     devices = _deviceless_gpus(args.gpu_target) if args.gpu_target else jax.devices()
     if len(devices) < 8:
@@ -90,17 +84,14 @@ def main(argv=None) -> int:
     on_gpu = device.platform != "cpu"
     where = ("8 deviceless " if args.gpu_target else "8 mocked ") + f"{device.device_kind} devices" if on_gpu \
         else "8 fake CPU devices"
-    # Deviceless, this machine is a CPU: the kernels are built and checked for the GPU's target instead.
-    gpu_kernels = (lambda: targeting("cuda")) if args.gpu_target else contextlib.nullcontext
     rows = []
     for seed in range(args.first_seed, args.first_seed + args.seeds):
         # On a GPU its own kernels (auto: Pallas), not the CPU's stand-in for them.
         overrides = draw(seed, args.widths) + (["--config.model.moe_kernel=auto"] if on_gpu else [])
-        with gpu_kernels():
-            run = Workload.from_experiment(load_experiment(CONFIG, compiled_overrides(overrides)), hw, 1, 8)
+        run = _workload(overrides, hw)
         fitting, _ = candidates(run)
         for sizes in random.Random(seed).sample(fitting, min(args.layouts, len(fitting))):
-            with gpu_kernels():
+            with _kernels_for(hw):
                 got = compile_layout(CONFIG, overrides, sizes, devices[:8], terms=True)
             if "error" in got:
                 print(f"seed {seed} {describe(sizes)}: {got['error']}", flush=True)
@@ -126,11 +117,7 @@ def _write(out: str, report: dict) -> None:
 def _repredict(path: str, out: str) -> int:
     """The rows of an earlier run, each layout predicted again by the current model (XLA's side as it was)."""
     from zaya_jax import hardware
-    from zaya_jax.experiment import load_experiment
     from zaya_jax.explore import memory
-    from zaya_jax.explore.against_xla import compiled_overrides
-    from zaya_jax.explore.workload import Workload
-    from zaya_jax.kernels.registry import targeting
 
     try:
         with open(path, encoding="utf-8") as f:
@@ -139,12 +126,29 @@ def _repredict(path: str, out: str) -> int:
     except (OSError, ValueError, KeyError) as e:
         _fail(f"--repredict {path}: not a report this script wrote ({e})")
     for row in report["rows"]:
-        with targeting(None if hw.target == "cpu" else hw.target):
-            run = Workload.from_experiment(load_experiment(CONFIG, compiled_overrides(row["overrides"])), hw, 1, 8)
+        run = _workload(row["overrides"], hw)
         row["predicted"] = memory.by_term(memory.predict(run, _sizes(row["layout"])))
         row["ratio"] = sum(row["xla"].values()) / sum(row["predicted"].values())
     _write(out, report)
     return 0
+
+
+def _kernels_for(hw):
+    """The kernels built and checked for the hardware's target, not this machine's (which is a CPU
+    when the GPUs are deviceless or the report is read again here)."""
+    from zaya_jax.kernels.registry import targeting
+
+    return targeting(None if hw.target == "cpu" else hw.target)
+
+
+def _workload(overrides: list[str], hw):
+    """The explorer's view of a drawn shape on 8 devices of `hw`, as `compile_layout` compiles it."""
+    from zaya_jax.experiment import load_experiment
+    from zaya_jax.explore.against_xla import compiled_overrides
+    from zaya_jax.explore.workload import Workload
+
+    with _kernels_for(hw):
+        return Workload.from_experiment(load_experiment(CONFIG, compiled_overrides(overrides)), hw, 1, 8)
 
 
 def _sizes(layout: str) -> dict[str, int]:
