@@ -1,12 +1,19 @@
 """The drawn model shapes the explorer is checked on (`explore/held_out.py`): deterministic in the
-seed, each a valid experiment with at least one 8-device layout, and spread over what they draw."""
+seed, each a valid experiment with at least one 8-device layout, and spread over what they draw;
+the benchmark that compiles them refuses bad input in one line."""
+
+import os
+import subprocess
+import sys
+
+import pytest
 
 from zaya_jax import hardware
 from zaya_jax.experiment import load_experiment
 from zaya_jax.explore.explorer import candidates
 from zaya_jax.explore.held_out import draw
 from zaya_jax.explore.workload import Workload
-from paths import TINY
+from paths import ROOT, TINY
 
 SEEDS = range(40)
 
@@ -37,3 +44,19 @@ def test_gpu_widths_are_the_same_draw_scaled_and_fit_8_h100s():
         exp = load_experiment(TINY, draw(seed, "gpu"))
         fitting, refused = candidates(Workload.from_experiment(exp, hardware.profile("h100"), 1, 8))
         assert fitting, (seed, refused.most_common(2))
+
+
+@pytest.mark.parametrize("args, words", [
+    (["--widths=gpu"], "--widths gpu is for a GPU's compiler: add --gpu-target FILE"),
+    (["--repredict=/nonexistent.json"], "--repredict /nonexistent.json: not a report this script wrote"),
+    (["--gpu-target=/nonexistent.txtpb"], "--gpu-target /nonexistent.txtpb: No such file or directory"),
+    # This machine has no JAX CUDA plugin (CI installs none): the real target config is refused for that.
+    (["--gpu-target=benchmarks/gpu_targets/h100_sxm.txtpb"], "--gpu-target needs JAX's CUDA plugin for this jax"),
+])
+def test_the_drawn_shapes_benchmarks_bad_inputs_are_one_line_and_exit_2(tmp_path, args, words):
+    done = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "explorer_drawn_shapes.py"),
+                           f"--out={tmp_path / 'out.json'}", *args], capture_output=True, text=True, cwd=ROOT,
+                          env={**os.environ, "JAX_PLATFORMS": "cpu"}, timeout=300)
+    assert done.returncode == 2, done.stderr[-2000:]
+    assert done.stderr.strip().count("\n") == 0 and words in done.stderr, done.stderr[-2000:]
+    assert not (tmp_path / "out.json").exists()
