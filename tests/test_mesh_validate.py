@@ -126,3 +126,50 @@ def test_a_loss_dominated_step_peaks_in_the_loss_where_the_model_puts_it():
     assert xla["loss"] > 4 * (xla["block_working_set"] + xla["gradients"])  # XLA's peak is the loss's too
     assert memory.by_term(predicted)["loss"] == pytest.approx(xla["loss"], rel=0.05)
     assert sum(xla.values()) / predicted.total_bytes == pytest.approx(1, abs=0.1)
+
+
+def test_one_micro_batch_under_zero1_holds_the_scattered_gradients():
+    """data 8, one micro-batch, ZeRO-1 on: XLA reduce-scatters each layer's gradients inside the
+    backward's layer scan and updates shards, so a device holds an eighth of the experts' gradients,
+    not the whole set; the model's gradients are within 15% of XLA's buffers and the total within
+    10% (whole gradients at the backward and the update: half XLA's total)."""
+    import jax
+
+    from zaya_jax.explore.against_xla import compile_layout
+
+    overrides = ["--config.model.num_experts=16", "--config.model.hidden_size=128",
+                 "--config.model.moe_intermediate_size=128", "--config.train.scan_unroll=1",
+                 "--config.train.remat=full", "--config.train.seq_len=64", "--config.train.global_batch_size=8"]
+    sizes = mesh_sizes(data=8)
+    run = Workload.from_experiment(load_experiment(TINY, compiled_overrides(overrides)), hardware.profile("cpu"), 1, 8)
+    xla = compile_layout(TINY, overrides, sizes, jax.devices()[:8], terms=True)["terms"]
+    predicted = memory.predict(run, sizes)
+    assert predicted.grad_bytes == pytest.approx(xla["gradients"], rel=0.15)
+    assert sum(xla.values()) / predicted.total_bytes == pytest.approx(1, abs=0.1)
+
+
+def test_unrolled_layers_keep_the_xla_attentions_probabilities_in_two_layouts():
+    """`tiny_cpu` as shipped (4 layers in one scan iteration, no remat, the `xla` attention): XLA
+    keeps each CCA layer's fp32 probabilities for the backward twice, in the layout the softmax
+    gradient reads and in the one its dV matmul reads, every key (masked ones too); the model's
+    stored probabilities are those bytes (one layout: 2× short)."""
+    import jax
+
+    from zaya_jax.explore.against_xla import memory_report
+    from zaya_jax.explore.workload import share
+    from zaya_jax.train.program import build_program
+
+    sizes = mesh_sizes(data=8)
+    exp = load_experiment(TINY, compiled_overrides(["--config.mesh.data=8"]))
+    run = Workload.from_experiment(exp, hardware.profile("cpu"), 1, 8)
+    assert run.scan_unroll > 1 and run.remat == "none" and not run.flash_attention
+    report = memory_report(build_program(exp, jax.devices()[:8]), terms=True, largest=10_000)
+    rows, heads, length = 16 // 8, run.cfg.num_attention_heads, run.seq_len
+    one_layout = rows * heads * length * length * 4
+    kept = [b for b, _, _, name in report["largest_at_peak"]
+            if b == one_layout and "jvp(" in name and "transpose(" not in name and name.endswith("attention/div")]
+    s = share(run, sizes)
+    per_layer = memory.attention_bytes(run, s)["scores"] * s.tokens
+    model = run.cfg.num_hidden_layers * per_layer + memory.unrolled_probabilities(run, s) * s.tokens
+    assert len(kept) == 2 * run.cfg.num_hidden_layers
+    assert model == sum(kept)

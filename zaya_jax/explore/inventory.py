@@ -53,6 +53,7 @@ class StateBytes:
     params: float
     grads: float
     optimizer: float
+    scattered_grads: float  # one fp32 copy split over `data` too where ZeRO-1 splits the optimizer state
 
 
 def _part(path: str) -> str:
@@ -163,14 +164,16 @@ def stored(group: ParamGroup) -> tuple[tuple[int, ...], tuple[str, ...]]:
 
 
 def state_bytes(cfg: ModelConfig, sizes: dict[str, int], zero1: bool = False) -> StateBytes:
-    """Per-device fp32 parameters, gradients (one fp32 copy) and optimizer moments (split over
-    `data` too with `zero1`), plus the balancing biases (with the parameters) and their Adam
-    moments (with the optimizer)."""
-    params = optimizer = 0.0
+    """Per-device fp32 parameters, gradients (one fp32 copy: whole, and as ZeRO-1 scatters it) and
+    optimizer moments (split over `data` too with `zero1`), plus the balancing biases (with the
+    parameters) and their Adam moments (with the optimizer)."""
+    params = optimizer = scattered = 0.0
     for g in param_groups(cfg):
         local = g.count * local_bytes(g, sizes)
         params += local
+        scattered += local / optimizer_split(g, sizes, zero1)
         optimizer += OPTIMIZER_STATES[g.optimizer] * local / optimizer_split(g, sizes, zero1)
     biases = cfg.num_hidden_layers * (cfg.num_experts + 1) * 4  # replicated fp32 [E+1] per layer
-    return StateBytes(params=params + biases, grads=params, optimizer=optimizer + 2 * biases)
+    return StateBytes(params=params + biases, grads=params, optimizer=optimizer + 2 * biases,
+                      scattered_grads=scattered)
 

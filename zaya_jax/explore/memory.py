@@ -14,19 +14,22 @@ widths) — summed over the layers of each kind, then scaled by the remat policy
 * moe: every block keeps its input and the MoE's sorted tokens and grouped-matmul outputs.
 
 The backward of the block being differentiated holds about as much again (its gradients), and for
-its experts one layer's weights twice (as its input-gradient matmuls read them, gathered over fsdp,
-and their gradients before the reduction). Added on top: the schedules' buffers (FSDP's gathered
-dense layer and embedding, TSP's gathered attention bucket and ring slices, the K/V or the linear
-layers' memory states gathered along the sequence), the accumulated gradients when there are several
-micro-batches, copies of every layer's expert weights where a hybrid pattern's unit holds several
+its experts one layer's weights twice in the compute dtype (as its input-gradient matmuls read them,
+gathered over fsdp, and their gradients before the reduction). With one micro-batch the gradients
+it fills are ZeRO-1's shards (XLA reduce-scatters each layer's inside the layer scan); with several,
+each replica's running sum is whole until the step's one reduction, this micro-batch's beside it. Unrolled layers without remat
+keep the `xla` attention's probabilities in a second layout (`unrolled_probabilities`). Added on
+top: the schedules' buffers (FSDP's gathered dense layer and embedding, TSP's gathered attention
+bucket and ring slices, the K/V or the linear layers' memory states gathered along the sequence),
+copies of every layer's expert weights where a hybrid pattern's unit holds several
 layers without remat (`stored_weight_bytes`), XLA:CPU's masked operands of `ragged_dot` on a CPU
 device (`cpu_kernel_bytes`, no GPU has them) and the step's input arrays. The loss is a second
 candidate peak, between the last block's forward and the first block's backward: what the blocks
 keep, the chunked loss ([tokens, chunk] fp32 logits, probabilities and their gradient, plus the fp32
 final hidden states), the gathered embedding and the head's gradient, but no block's working set and
 none of the blocks' gradients yet (on a GPU at ZAYA1-like widths XLA's peak is often here). The
-update is a third: one set of gradients (the last micro-batch is in the sum by then), Muon's
-Newton–Schulz temporaries and, on a CPU device, the clipped copy and the new values beside the old;
+update is a third: one set of gradients (reduced by then: ZeRO-1's shard), Muon's Newton–Schulz
+temporaries and, on a CPU device, the clipped copy and the new values beside the old (shards too);
 the prediction is the largest.
 `HEADROOM` of the HBM is kept free for the framework, collective scratch and fragmentation.
 """
@@ -95,8 +98,8 @@ def attention_bytes(run: Workload, s: Share) -> dict[str, float]:
         "attention_out": s.heads * d * b + s.heads * F32 + cfg.hidden_size * b,  # o, logsumexp, o·Wo
         "merge": cfg.hidden_size * F32,
     }
-    if not run.flash_attention:  # the xla/reference backends keep fp32 scores and probabilities
-        parts["scores"] = 2 * s.heads * s.keys * F32 / 2  # causal: half the keys on average
+    if not run.flash_attention:  # the xla/reference backends keep the fp32 probabilities, every key
+        parts["scores"] = s.heads * s.keys * F32
     return parts
 
 
@@ -173,7 +176,18 @@ def stored_per_token(run: Workload, s: Share) -> float:
         return over_layers(run, lambda kind: matmul_outputs_bytes(run, s, kind))
     if run.remat == "moe":
         return layers * (block_input_bytes(run) + moe_saved_bytes(run, s))
-    return over_layers(run, lambda kind: block_bytes_per_token(run, s, kind))
+    return over_layers(run, lambda kind: block_bytes_per_token(run, s, kind)) + unrolled_probabilities(run, s)
+
+
+def unrolled_probabilities(run: Workload, s: Share) -> float:
+    """Per token, the second layout of the `xla` attention's fp32 probabilities that unrolled layers
+    without remat keep: with several layers in one scan iteration XLA lays each CCA layer's
+    probabilities out for the backward's dV matmul in the forward already, beside the form the
+    softmax gradient reads ([b, nk, g, S, S] and [b, nk, S, g·S], every key, masked or not; read
+    off XLA:CPU's buffers, `tiny_cpu`). A scanned layer makes that copy in its own backward."""
+    if run.scan_unroll == 1 or run.flash_attention:
+        return 0.0
+    return run.cfg.layer_kinds.count("C") * s.heads * s.keys * F32
 
 
 def block_input_bytes(run: Workload) -> float:
@@ -304,7 +318,10 @@ def predict(run: Workload, sizes: dict[str, int]) -> Memory:
     values beside the old), the largest."""
     state = inventory.state_bytes(run.cfg, sizes, run.zero1)
     s = share(run, sizes)
-    grads = state.grads * (2 if run.grad_accum > 1 else 1)  # the running sum and this micro-batch's
+    # One micro-batch: XLA reduce-scatters each layer's gradients inside the backward's layer scan,
+    # so the stack it fills is ZeRO-1's split. Several: each replica's running sum is whole until
+    # the one reduction after the loop (`parallel/grad_reduction.py`), beside this micro-batch's.
+    grads = state.scattered_grads if run.grad_accum == 1 else 2 * state.grads
     inputs = BATCH_FIELDS * 4 * run.grad_accum * s.tokens  # [A, b, S], split like the tokens
     backward = {
         "stored_activations": s.tokens * stored_per_token(run, s),
@@ -312,8 +329,9 @@ def predict(run: Workload, sizes: dict[str, int]) -> Memory:
                             if run.remat == "none" else 0.0),
         "block_working_set": 2 * s.tokens * largest_block_per_token(run, s),
         # The backward of one block's experts: its weights in the layout the input gradients read
-        # and their gradients before the reduction over the replicas, each about one layer's weights.
-        "block_weights": 2 * expert_weights(run, sizes),
+        # and their gradients before the reduction over the replicas, each about one layer's weights
+        # in the compute dtype (bf16 both on an H100's XLA: the grouped matmul's operands and result).
+        "block_weights": 2 * expert_weights(run, sizes) * run.compute_bytes / F32,
         "stored_weights": stored_weight_bytes(run, sizes),
         "cpu_kernel": cpu_kernel_bytes(run, sizes, s),
         **schedule_bytes(run, sizes, s),
@@ -328,14 +346,16 @@ def predict(run: Workload, sizes: dict[str, int]) -> Memory:
     loss_grads = embedding_bytes(run, sizes) + (state.grads if run.grad_accum > 1 else 0.0)
     update = {
         # XLA:CPU materialises the global-norm clip's scaled gradients and the new values beside the
-        # old: two more gradient-sized sets. An H200's XLA does not (ZAYA1 width, 31 layers: at its
-        # update, beside the state and one gradient set, the Newton–Schulz temporaries and 5 GiB
-        # more, a fifth of a gradient set; benchmarks/gpu_memory_vs_explorer_h200.md).
-        "update_copies": 2 * state.grads if run.hw.target == "cpu" else 0.0,
+        # old: two more gradient-sized sets, of the shard a device updates under ZeRO-1 (the update
+        # reads the reduce-scattered gradients and gathers the new values). An H200's XLA does not
+        # (ZAYA1 width, 31 layers: at its update, beside the state and one gradient set, the
+        # Newton–Schulz temporaries and 5 GiB more, a fifth of a gradient set;
+        # benchmarks/gpu_memory_vs_explorer_h200.md).
+        "update_copies": 2 * state.scattered_grads if run.hw.target == "cpu" else 0.0,
         "optimizer_temporaries": muon_temporaries(run, sizes),
         "inputs": inputs,
     }
-    # By the update the last micro-batch's gradients are in the running sum: one set is left.
-    phases = ((grads, backward), (loss_grads, loss), (state.grads, update))
+    # By the update the running sum is reduced (reduce-scattered under ZeRO-1): one set is left.
+    phases = ((grads, backward), (loss_grads, loss), (state.scattered_grads, update))
     held, parts = max(phases, key=lambda p: p[0] + sum(p[1].values()))
     return Memory(state.params, held, state.optimizer, sum(parts.values()), parts)
