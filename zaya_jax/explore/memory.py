@@ -202,10 +202,14 @@ def moe_saved_bytes(run: Workload, s: Share) -> float:
 
 
 def loss_bytes(run: Workload, tokens: float, vocab_split: int = 1) -> float:
-    """The chunked loss's working set: fp32 hidden states, a few [tokens, chunk] logit buffers
-    (a chunk of this device's slice of the vocabulary) and the per-token statistics."""
+    """The chunked loss's working set: fp32 hidden states, [tokens, chunk] logit buffers (a chunk of
+    this device's slice of the vocabulary) and the per-token statistics. XLA:CPU keeps three fp32
+    ones (logits, probabilities, their gradient); a GPU's XLA fuses the softmax into its neighbours
+    and keeps two (an H100's, read off its buffers at ZAYA1-like widths: the fp32 logits beside the
+    fp32 or compute-dtype gradient)."""
     chunk = min(run.vocab_chunk, run.cfg.vocab_size // vocab_split)
-    return tokens * (run.cfg.hidden_size * F32 + 3 * chunk * F32 + 2 * F32)
+    per_entry = (3 if run.hw.target == "cpu" else 2) * F32
+    return tokens * (run.cfg.hidden_size * F32 + chunk * per_entry + 2 * F32)
 
 
 def gathered_per_layer(run: Workload, sizes: dict[str, int], s: Share, kind: str = "C") -> float:
@@ -236,7 +240,8 @@ def gathered_embedding_bytes(run: Workload, sizes: dict[str, int]) -> float:
 
 
 def schedule_bytes(run: Workload, sizes: dict[str, int], s: Share) -> dict[str, float]:
-    """The buffers each parallel schedule adds (fp32 weights are gathered as stored)."""
+    """The buffers each parallel schedule adds (fp32 weights are gathered as stored; TSP's ring
+    passes the experts' slices on in the compute dtype)."""
     cfg, kinds = run.cfg, run.cfg.layer_kinds
     out: dict[str, float] = {}
     if sizes["fsdp"] > 1 or sizes["tsp"] > 1:
@@ -246,8 +251,8 @@ def schedule_bytes(run: Workload, sizes: dict[str, int], s: Share) -> dict[str, 
         dense = max(sum(inventory.local_bytes(g, sizes, ("fsdp", "tsp")) for g in inventory.block_groups(cfg, kind)
                         if g.part != "experts") for kind in MIXERS if kind in kinds)
         out["gathered_weights"] = 2 * dense + gathered_embedding_bytes(run, sizes)
-    if sizes["tsp"] > 1:  # the slice in use and the one arriving
-        out["ring_slices"] = 2 * expert_weights(run, sizes, parts=("experts",))
+    if sizes["tsp"] > 1:  # the slice in use and the one arriving, cast to the compute dtype first
+        out["ring_slices"] = 2 * expert_weights(run, sizes, parts=("experts",)) * run.compute_bytes / F32
     if sizes["tsp"] * sizes["sequence"] > 1:
         if "C" in kinds:
             out["gathered_kv"] = 2 * gathered_kv_bytes(run, sizes, s)  # the gathered K/V and their gradient
