@@ -131,8 +131,9 @@ def test_a_loss_dominated_step_peaks_in_the_loss_where_the_model_puts_it():
 def test_one_micro_batch_under_zero1_holds_the_scattered_gradients():
     """data 8, one micro-batch, ZeRO-1 on: XLA reduce-scatters each layer's gradients inside the
     backward's layer scan and updates shards, so a device holds an eighth of the experts' gradients,
-    not the whole set; the model's gradients are within 15% of XLA's buffers and the total within
-    10% (whole gradients at the backward and the update: half XLA's total)."""
+    not the whole set: XLA's gradients are the model's shards (and at most one layer's unreduced
+    expert gradients more), within 15%, and the total within 10% (whole gradients at the backward
+    and the update: half XLA's total)."""
     import jax
 
     from zaya_jax.explore.against_xla import compile_layout
@@ -144,8 +145,17 @@ def test_one_micro_batch_under_zero1_holds_the_scattered_gradients():
     run = Workload.from_experiment(load_experiment(TINY, compiled_overrides(overrides)), hardware.profile("cpu"), 1, 8)
     xla = compile_layout(TINY, overrides, sizes, jax.devices()[:8], terms=True)["terms"]
     predicted = memory.predict(run, sizes)
-    assert predicted.grad_bytes == pytest.approx(xla["gradients"], rel=0.15)
+    # XLA's peak may fall inside an experts' backward, beside that layer's unreduced weight
+    # gradients (the model's `block_weights` holds them with the weights): jax 0.12 puts it there.
+    shards, one_layer = predicted.grad_bytes, predicted.parts["block_weights"] / 2
+    assert 0.85 * shards <= xla["gradients"] <= 1.15 * (shards + one_layer) < whole_gradients(run, sizes)
     assert sum(xla.values()) / predicted.total_bytes == pytest.approx(1, abs=0.1)
+
+
+def whole_gradients(run, sizes) -> float:
+    from zaya_jax.explore import inventory
+
+    return inventory.state_bytes(run.cfg, sizes, run.zero1).grads
 
 
 def test_unrolled_layers_keep_the_xla_attentions_probabilities_in_two_layouts():
