@@ -13,7 +13,9 @@ widths) — summed over the layers of each kind, then scaled by the remat policy
 * dots: every block keeps its matmul outputs; the rest of one block is recomputed at a time.
 * moe: every block keeps its input and the MoE's sorted tokens and grouped-matmul outputs.
 
-The backward of the block being differentiated holds about as much again (its gradients), and for
+The backward of the block being differentiated holds about as much again under a remat policy
+(the block recomputed, and its gradients; without remat on a GPU only the gradients:
+`working_blocks`), and for
 its experts one layer's weights twice in the compute dtype (as its input-gradient matmuls read them,
 gathered over fsdp, and their gradients before the reduction). With one micro-batch the gradients
 it fills are ZeRO-1's shards (XLA reduce-scatters each layer's inside the layer scan); with several,
@@ -190,6 +192,16 @@ def unrolled_probabilities(run: Workload, s: Share) -> float:
     return run.cfg.layer_kinds.count("C") * s.heads * s.keys * F32
 
 
+def working_blocks(run: Workload) -> int:
+    """How many blocks' worth of activations the backward of one block holds beside what the blocks
+    keep. Under a remat policy, two: the block recomputed and its activations' gradients. Without
+    remat nothing is recomputed (the block's activations are among the kept ones): on a GPU one, the
+    gradients (8 deviceless H100s: 4 more of the 36 held-out drawn layouts within 10%, 2 fewer of
+    the 12 development ones at ZAYA1-like widths); XLA:CPU makes about as much again in relayout copies of the block's operands (the
+    attention's probabilities in a second layout, fp32 transposes; `test_remat_memory`'s ratios)."""
+    return 2 if run.remat != "none" or run.hw.target == "cpu" else 1
+
+
 def block_input_bytes(run: Workload) -> float:
     """Per token, a block's input the layer scan carries: the fp32 residual row and router state."""
     return (run.cfg.hidden_size + run.cfg.router_hidden_size) * F32
@@ -332,7 +344,7 @@ def predict(run: Workload, sizes: dict[str, int]) -> Memory:
         "stored_activations": s.tokens * stored_per_token(run, s),
         "stored_gathered": (over_layers(run, lambda kind: gathered_per_layer(run, sizes, s, kind))
                             if run.remat == "none" else 0.0),
-        "block_working_set": 2 * s.tokens * largest_block_per_token(run, s),
+        "block_working_set": working_blocks(run) * s.tokens * largest_block_per_token(run, s),
         # The backward of one block's experts: its weights in the layout the input gradients read
         # and their gradients before the reduction over the replicas, each about one layer's weights
         # in the compute dtype (bf16 both on an H100's XLA: the grouped matmul's operands and result).
