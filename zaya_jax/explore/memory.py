@@ -15,16 +15,16 @@ widths) — summed over the layers of each kind, then scaled by the remat policy
 
 The backward of the block being differentiated holds about as much again under a remat policy
 (the block recomputed, and its gradients; without remat on a GPU only the gradients:
-`working_blocks`), and for
-its experts one layer's weights twice in the compute dtype (as its input-gradient matmuls read them,
-gathered over fsdp, and their gradients before the reduction). With one micro-batch the gradients
-it fills are ZeRO-1's shards (XLA reduce-scatters each layer's inside the layer scan); with several,
-each replica's running sum is whole until the step's one reduction, this micro-batch's beside it. Unrolled layers without remat
-keep the `xla` attention's probabilities in a second layout (`unrolled_probabilities`). Added on
-top: the schedules' buffers (FSDP's gathered dense layer and embedding, TSP's gathered attention
-bucket and ring slices, the K/V or the linear layers' memory states gathered along the sequence),
-copies of every layer's expert weights where a hybrid pattern's unit holds several
-layers without remat (`stored_weight_bytes`), XLA:CPU's masked operands of `ragged_dot` on a CPU
+`working_blocks`), and for its experts one layer's weights twice in the compute dtype (as its
+input-gradient matmuls read them, gathered over fsdp, and their gradients before the reduction).
+With one micro-batch the gradients it fills are ZeRO-1's shards (XLA reduce-scatters each layer's
+inside the layer scan); with several, each replica's running sum is whole until the step's one
+reduction, this micro-batch's beside it. Unrolled layers without remat keep the `xla` attention's
+probabilities in a second layout (`unrolled_probabilities`). Added on top: the schedules' buffers
+(FSDP's gathered dense layer and embedding, TSP's gathered attention bucket and ring slices, the
+K/V or the linear layers' memory states gathered along the sequence), copies of every layer's
+expert weights where a hybrid pattern's unit holds several layers without remat
+(`stored_weight_bytes`), XLA:CPU's masked operands of `ragged_dot` on a CPU
 device (`cpu_kernel_bytes`, no GPU has them) and the step's input arrays. The loss is a second
 candidate peak, between the last block's forward and the first block's backward: what the blocks
 keep, the chunked loss ([tokens, chunk] fp32 logits, probabilities and their gradient, plus the fp32
@@ -197,8 +197,9 @@ def working_blocks(run: Workload) -> int:
     keep. Under a remat policy, two: the block recomputed and its activations' gradients. Without
     remat nothing is recomputed (the block's activations are among the kept ones): on a GPU one, the
     gradients (8 deviceless H100s: 4 more of the 36 held-out drawn layouts within 10%, 2 fewer of
-    the 12 development ones at ZAYA1-like widths); XLA:CPU makes about as much again in relayout copies of the block's operands (the
-    attention's probabilities in a second layout, fp32 transposes; `test_remat_memory`'s ratios)."""
+    the 12 development ones at ZAYA1-like widths); XLA:CPU makes about as much again in relayout
+    copies of the block's operands (the attention's probabilities in a second layout, fp32
+    transposes; `test_remat_memory`'s ratios)."""
     return 2 if run.remat != "none" or run.hw.target == "cpu" else 1
 
 
