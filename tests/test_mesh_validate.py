@@ -7,7 +7,7 @@ import json
 import pytest
 
 from zaya_jax.experiment import load_experiment
-from zaya_jax.explore import memory
+from zaya_jax.explore import inventory, memory
 from zaya_jax.explore.placement import describe
 from zaya_jax.explore.against_xla import compiled_overrides, validate
 from zaya_jax.explore.workload import Workload
@@ -148,14 +148,9 @@ def test_one_micro_batch_under_zero1_holds_the_scattered_gradients():
     # XLA's peak may fall inside an experts' backward, beside that layer's unreduced weight
     # gradients (the model's `block_weights` holds them with the weights): jax 0.12 puts it there.
     shards, one_layer = predicted.grad_bytes, predicted.parts["block_weights"] / 2
-    assert 0.85 * shards <= xla["gradients"] <= 1.15 * (shards + one_layer) < whole_gradients(run, sizes)
+    whole = inventory.state_bytes(run.cfg, sizes, run.zero1).grads
+    assert 0.85 * shards <= xla["gradients"] <= 1.15 * (shards + one_layer) < whole
     assert sum(xla.values()) / predicted.total_bytes == pytest.approx(1, abs=0.1)
-
-
-def whole_gradients(run, sizes) -> float:
-    from zaya_jax.explore import inventory
-
-    return inventory.state_bytes(run.cfg, sizes, run.zero1).grads
 
 
 def test_unrolled_layers_keep_the_xla_attentions_probabilities_in_two_layouts():
@@ -174,11 +169,11 @@ def test_unrolled_layers_keep_the_xla_attentions_probabilities_in_two_layouts():
     run = Workload.from_experiment(exp, hardware.profile("cpu"), 1, 8)
     assert run.scan_unroll > 1 and run.remat == "none" and not run.flash_attention
     report = memory_report(build_program(exp, jax.devices()[:8]), terms=True, largest=10_000)
-    rows, heads, length = 16 // 8, run.cfg.num_attention_heads, run.seq_len
+    s = share(run, sizes)
+    rows, heads, length = s.tokens / run.seq_len, run.cfg.num_attention_heads, run.seq_len  # rows a device holds
     one_layout = rows * heads * length * length * 4
     kept = [b for b, _, _, name in report["largest_at_peak"]
             if b == one_layout and "jvp(" in name and "transpose(" not in name and name.endswith("attention/div")]
-    s = share(run, sizes)
     per_layer = memory.attention_bytes(run, s)["scores"] * s.tokens
     model = run.cfg.num_hidden_layers * per_layer + memory.unrolled_probabilities(run, s) * s.tokens
     assert len(kept) == 2 * run.cfg.num_hidden_layers

@@ -170,9 +170,10 @@ def state_bytes(cfg: ModelConfig, sizes: dict[str, int], zero1: bool = False) ->
     params = optimizer = scattered = 0.0
     for g in param_groups(cfg):
         local = g.count * local_bytes(g, sizes)
+        shard = local / optimizer_split(g, sizes, zero1)
         params += local
-        scattered += local / optimizer_split(g, sizes, zero1)
-        optimizer += OPTIMIZER_STATES[g.optimizer] * local / optimizer_split(g, sizes, zero1)
+        scattered += shard
+        optimizer += OPTIMIZER_STATES[g.optimizer] * shard
     biases = cfg.num_hidden_layers * (cfg.num_experts + 1) * 4  # replicated fp32 [E+1] per layer
     return StateBytes(params=params + biases, grads=params, optimizer=optimizer + 2 * biases,
                       scattered_grads=scattered)
