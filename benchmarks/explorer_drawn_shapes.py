@@ -12,9 +12,12 @@ the worst cases, and writes JSON and Markdown.
         python benchmarks/explorer_drawn_shapes.py --first-seed 12 --seeds 12 --out=benchmarks/explorer_drawn_shapes.json
 
 On a machine with one GPU, `--mock-gpus` presents it as 8 devices whose collectives do nothing
-(JAX's `jax_mock_gpu_topology` 1x1x8, XLA's mocked NCCL): each layout is compiled for the GPU, with
-the GPU's own kernels, and predicted for the device's hardware profile. Nothing runs, so the
-mocked collectives never matter: only the compiled program's buffers are read.
+(XLA's mocked NCCL: JAX's `mock_num_gpu_processes`, 8 mocked processes of one GPU each, as JAX's
+own mock-GPU test sets it): each layout is compiled for the GPU, with the GPU's own kernels, and
+predicted for the device's hardware profile (first run: `benchmarks/explorer_drawn_shapes_h200_mock_seeds24_47.md`,
+with `XLA_FLAGS=--xla_gpu_autotune_level=0` so that it ran beside `tools/gpu_check.py`). Nothing runs, so the mocked collectives never matter: only the compiled
+program's buffers are read. The report is rewritten after every layout, so a run stopped at a
+time limit keeps what it compiled.
 
 With no GPU at all, `--gpu-target FILE` compiles for 8 GPUs that an XLA GPU target config describes
 (`benchmarks/gpu_targets/h100_sxm.txtpb`: the device's limits, compute capability and kind) through
@@ -33,6 +36,7 @@ import argparse
 import json
 import os
 import random
+import time
 import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -65,7 +69,7 @@ def main(argv=None) -> int:
     import jax
 
     if args.mock_gpus:
-        jax.config.update("jax_mock_gpu_topology", "1x1x8")  # before the backend starts
+        jax.config.update("mock_num_gpu_processes", 8)  # before the backend starts
 
     from zaya_jax import hardware
     from zaya_jax.explore import memory
@@ -91,6 +95,7 @@ def main(argv=None) -> int:
         run = _workload(overrides, hw)
         fitting, _ = candidates(run)
         for sizes in random.Random(seed).sample(fitting, min(args.layouts, len(fitting))):
+            start = time.perf_counter()
             with _kernels_for(hw):
                 got = compile_layout(CONFIG, overrides, sizes, devices[:8], terms=True)
             if "error" in got:
@@ -98,20 +103,24 @@ def main(argv=None) -> int:
                 continue
             predicted = memory.by_term(memory.predict(run, sizes))
             row = {"seed": seed, "overrides": overrides, "layout": describe(sizes), "predicted": predicted,
-                   "xla": got["terms"], "ratio": sum(got["terms"].values()) / sum(predicted.values())}
+                   "xla": got["terms"], "ratio": sum(got["terms"].values()) / sum(predicted.values()),
+                   "compile_s": round(time.perf_counter() - start, 1)}
             rows.append(row)
-            print(f"seed {seed:2d}  {row['layout']:28s} XLA/predicted {row['ratio']:.2f}", flush=True)
+            print(f"seed {seed:2d}  {row['layout']:28s} XLA/predicted {row['ratio']:.2f}  "
+                  f"({row['compile_s']:.0f} s)", flush=True)
+            _write(args.out, {"device": where, "hardware": hw.name, "jax": jax.__version__, "rows": rows}, quiet=True)
     _write(args.out, {"device": where, "hardware": hw.name, "jax": jax.__version__, "rows": rows})
     return 0
 
 
-def _write(out: str, report: dict) -> None:
+def _write(out: str, report: dict, quiet: bool = False) -> None:
     with open(out, "w", encoding="utf-8") as f:
         json.dump(report, f, indent=1)
     markdown = _markdown(report["rows"], report["jax"], report["device"])
     with open(os.path.splitext(out)[0] + ".md", "w", encoding="utf-8") as f:
         f.write(markdown)
-    print(markdown)
+    if not quiet:
+        print(markdown)
 
 
 def _repredict(path: str, out: str) -> int:
