@@ -62,8 +62,8 @@ def single():
 # Expert-parallel training is checked against the same losses by the resharded-resume tests
 # (tests/test_resume.py: fsdp4 x expert2 and expert2 x fsdp2), and its gradients in test_layouts.py.
 # data x fsdp x tensor, two micro-batches: the data replicas' loop (parallel/grad_reduction.py, which
-# runs for several micro-batches only) with GSPMD axes inside it, where XLA's partitioner aborts
-# on the embedding gather unless the table is gathered first.
+# runs for several micro-batches only) with GSPMD axes inside it, where XLA's partitioner aborted
+# on its own embedding gather (parallel/embedding_schedule.py now writes that lookup out).
 @pytest.mark.parametrize("mesh, accum", [(dict(data=8), 1), (dict(fsdp=8), 1), (dict(tsp=8), 1),
                                          (dict(sequence=4, data=2), 1), (dict(tensor=2, sequence=4), 1),
                                          (dict(data=2, fsdp=2, tensor=2), 2)],
@@ -76,7 +76,10 @@ def test_layout_trains_like_one_device(single, mesh, accum):
     np.testing.assert_allclose(norms, ref_norms, rtol=NORM_RTOL)
     assert losses[-1] < losses[0]
     for key in ref_params:
-        np.testing.assert_allclose(params[key], ref_params[key], rtol=1e-3, atol=2e-5, err_msg=key)
+        # atol: each layout sums the embedding's gradient in its own order (per-device scatter-adds,
+        # then over the devices: parallel/embedding_schedule.py), and ten Adam steps magnify that
+        # fp32 rounding on the smallest gradients (tensor 2 x sequence 4: one of 34,816 entries off by 2.3e-5).
+        np.testing.assert_allclose(params[key], ref_params[key], rtol=1e-3, atol=3e-5, err_msg=key)
     for key in ref_biases:
         np.testing.assert_allclose(biases[key], ref_biases[key], atol=1e-6, err_msg=key)
 
@@ -169,13 +172,15 @@ def test_pallas_kernels_run_per_batch_shard_and_train_like_one_device(single):
     # layer has its own; scanned, the block body holds them once, and JAX's partial evaluation of
     # the scan stages the experts' schedule once more in the backward (it sorts the tokens again).
     # One micro-batch: no data replicas' loop around them (parallel/grad_reduction.py; see
-    # tests/test_gpu_lowering.py for kernels inside it).
+    # tests/test_gpu_lowering.py for kernels inside it). Two more: the embedding lookup's forward
+    # and backward (parallel/embedding_schedule.py; fsdp splits the table).
     layers = load_experiment(TINY, overrides).model.num_hidden_layers
-    assert _shard_maps(_lowered_hlo(overrides + ["--config.train.scan_layers=false"])) == 2 * (5 * layers + 1), \
-        "a Pallas kernel is not shard_mapped over the batch axes"
+    lookup = 2
+    assert _shard_maps(_lowered_hlo(overrides + ["--config.train.scan_layers=false"])) == \
+        2 * (5 * layers + 1) + lookup, "a Pallas kernel is not shard_mapped over the batch axes"
     scanned = []  # the run's own program: one block per scan iteration (train.scan_unroll=1)
     losses, params, _, norms = _run(overrides, jax.devices(), read_hlo=lambda hlo: scanned.append(_shard_maps(hlo)))
-    assert scanned == [2 * (5 + 1) + 1]
+    assert scanned == [2 * (5 + 1) + 1 + lookup]
     ref_losses, ref_params, _, ref_norms = single
     np.testing.assert_allclose(losses, ref_losses, rtol=2e-5)
     np.testing.assert_allclose(norms, ref_norms, rtol=NORM_RTOL)

@@ -3,8 +3,8 @@
 `MeshSchedule` routes each layer to `attention_schedule` (CCA) or `linear_schedule` (linear attention,
 LASP-2) when tsp, tensor or sequence split it, to
 `experts_schedule` (any split axis: each device sorts only its own tokens), to
-`batch_map.run_kernel` (Pallas kernels shard_mapped over the batch and sequence axes), and looks
-up the embedding. Each asks
+`batch_map.run_kernel` (Pallas kernels shard_mapped over the batch and sequence axes), and the
+embedding lookup to `embedding_schedule`. Each asks
 the mesh it is traced under (`Program` traces under its own) which axes are split.
 `zigzagged` says that the batch's sequence is placed zigzag (`parallel/zigzag.py`): the program
 that permuted the batch builds its layout with it, so the schedules know where each chunk sits.
@@ -14,13 +14,10 @@ from __future__ import annotations
 
 import dataclasses
 
-import jax
-import jax.numpy as jnp
-from jax.sharding import PartitionSpec as P
 
 from zaya_jax.model.schedule import Schedule
-from zaya_jax.parallel import attention_schedule, experts_schedule, linear_schedule
-from zaya_jax.parallel.batch_map import rows_held_whole_over, run_kernel
+from zaya_jax.parallel import attention_schedule, embedding_schedule, experts_schedule, linear_schedule
+from zaya_jax.parallel.batch_map import run_kernel
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,12 +43,7 @@ class MeshSchedule(Schedule):
         return run_kernel(kernel, backend, fn, batched, replicated)
 
     def embed(self, table, ids):
-        if rows_held_whole_over():
-            # Inside the data replicas' loop, XLA's SPMD partitioner aborts on a gather from a
-            # table split over the other axes (data x fsdp x tensor; jax 0.10): gather the table
-            # first, as FSDP does for its use as the LM head.
-            table = jax.lax.with_sharding_constraint(table, P())
-        return jnp.take(table, ids, axis=0)
+        return embedding_schedule.lookup(table, ids)
 
 
 MESH = MeshSchedule()
