@@ -14,7 +14,7 @@ the worst cases, and writes JSON and Markdown.
 On a machine with one GPU, `--mock-gpus` presents it as 8 devices whose collectives do nothing
 (XLA's mocked NCCL: JAX's `mock_num_gpu_processes`, 8 mocked processes of one GPU each, as JAX's
 own mock-GPU test sets it): each layout is compiled for the GPU, with the GPU's own kernels, and
-predicted for the device's hardware profile (first run: `benchmarks/explorer_drawn_shapes_h200_mock_seeds24_47.md`,
+predicted for the device's hardware profile (first runs: `benchmarks/explorer_drawn_shapes_h200_mock_seeds24_47*.md`,
 with `XLA_FLAGS=--xla_gpu_autotune_level=0` so that it ran beside `tools/gpu_check.py`). Nothing runs, so the mocked collectives never matter: only the compiled
 program's buffers are read. The report is rewritten after every layout, so a run stopped at a
 time limit keeps what it compiled.
