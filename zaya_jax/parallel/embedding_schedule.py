@@ -78,9 +78,9 @@ def _lookup_fwd(vocab, hidden, table_rows, table, ids):
     def forward(table, ids):
         group = _group_ids(ids, hidden)
         local, hit = _in_slice(group, table.shape[0], vocab)
-        found = jnp.take(table, local, axis=0) * hit[..., None].astype(table.dtype)
-        if vocab:
-            found = jax.lax.psum(found, vocab)
+        found = jnp.take(table, local, axis=0)
+        if vocab:  # each row from the rank whose slice holds it
+            found = jax.lax.psum(found * hit[..., None].astype(found.dtype), vocab)
         for axis in reversed(hidden):  # the minor axis first: its slices are adjacent columns
             found = jax.lax.all_to_all(found, axis, _token_dim(axis), 2, tiled=True)
         return found
@@ -100,7 +100,8 @@ def _lookup_bwd(vocab, hidden, table_rows, ids, g):
             g = jax.lax.all_to_all(g, axis, 2, _token_dim(axis), tiled=True)
         group = _group_ids(ids, hidden)
         local, hit = _in_slice(group, local_rows, vocab)
-        g = g * hit[..., None].astype(g.dtype)
+        if vocab:
+            g = g * hit[..., None].astype(g.dtype)
         d_table = jnp.zeros((local_rows, g.shape[-1]), g.dtype).at[local.reshape(-1)].add(g.reshape(-1, g.shape[-1]))
         return jax.lax.psum(d_table, shared) if shared else d_table
 
