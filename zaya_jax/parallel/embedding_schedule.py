@@ -4,8 +4,8 @@ The rules split the table [V, H] on its hidden dimension over fsdp and tsp and o
 vocabulary over tensor, while the token ids [B, S] are split over the batch and sequence axes.
 GSPMD's gather cannot move from the first layout to the second: it gathers the whole global
 micro-batch of embeddings, [B, S, H] fp32, onto every device ("involuntary full
-rematerialization"; 96 MiB per device at hidden 1536 and 8 × 2048 tokens, read off an H200's
-buffers), and inside the data replicas' loop XLA aborted on it (jax 0.10), so the table was
+rematerialization"; 96 MiB per device at hidden 1536 and 8 × 2048 tokens, read off the
+buffers of a step compiled for H100s), and inside the data replicas' loop XLA aborted on it (jax 0.10), so the table was
 gathered whole instead.
 
 Here every collective is written out, in a `shard_map` with a `custom_vjp` (as `train/loss.py`'s
