@@ -53,8 +53,8 @@ def test_a_save_on_a_full_disk_is_one_line_exit_5_and_keeps_the_previous_checkpo
 
     full = zaya("train", f"--config={TINY}", f"--workdir={workdir}", "--config.train.steps=20", *RUN)
     lines = [line for line in full.stderr.splitlines() if line.strip()]
-    assert full.returncode == 5, full.stderr[-3000:]
-    assert len(lines) == 1, full.stderr[-3000:]
+    assert full.returncode == 5, _where(full.stderr)
+    assert len(lines) == 1, _where(full.stderr)
     assert lines[0].startswith(f"zaya: error: saving the checkpoint of step 20 to {workdir / 'checkpoints'} failed: "
                                "no space left on device (")
     assert "MiB free); the checkpoint of step 10 is kept" in lines[0]
@@ -65,6 +65,53 @@ def test_a_save_on_a_full_disk_is_one_line_exit_5_and_keeps_the_previous_checkpo
     again = zaya("train", f"--config={TINY}", f"--workdir={workdir}", "--config.train.steps=20", *RUN)
     assert again.returncode == 0, again.stderr[-2000:]
     assert "20" in os.listdir(workdir / "checkpoints")
+
+
+def _where(stderr: str) -> str:
+    """What a failed run said, its traceback's frames first: tensorstore's messages quote a spec of
+    thousands of characters, which push the frames out of a plain tail."""
+    frames = [line for line in stderr.splitlines() if line.startswith(("zaya:", "Traceback", "  File ", "During "))]
+    return "\n".join(frames)[-3000:] + "\n...\n" + stderr[-1000:]
+
+
+class _ManagerFailingOnce:
+    """Orbax's manager after a save that ran out of space: the error surfaces at the wait and, as
+    Orbax's metadata writers keep their own copy, once more at close."""
+
+    def __init__(self, at: tuple[str, ...]):
+        self.at = set(at)
+
+    def _fail(self, where):
+        if where in self.at:
+            self.at.discard(where)
+            raise ValueError('RESOURCE_EXHAUSTED: Error writing "manifest.ocdbt": No space left on device')
+
+    def wait_until_finished(self):
+        self._fail("wait")
+
+    def close(self):
+        self._fail("close")
+
+    def latest_step(self):
+        return 10
+
+
+def test_closing_after_a_failed_save_says_nothing_more_and_a_failure_only_at_close_is_said(tmp_path):
+    from zaya_jax.errors import StorageError
+    from zaya_jax.train.checkpoints import RunCheckpoints
+
+    said = RunCheckpoints(str(tmp_path / "a"), keep=2)
+    said._manager.close()
+    said._manager = _ManagerFailingOnce(at=("wait", "close"))
+    with pytest.raises(StorageError, match="no space left on device"):
+        said.wait()
+    said.close()  # the same failure again, from close: said already
+
+    unsaid = RunCheckpoints(str(tmp_path / "b"), keep=2)
+    unsaid._manager.close()
+    unsaid._manager = _ManagerFailingOnce(at=("close",))
+    with pytest.raises(StorageError, match="the checkpoint of step 10 is kept"):
+        unsaid.close()
 
 
 def test_the_event_log_on_a_full_disk_is_a_storage_error(small_filesystem):

@@ -58,6 +58,7 @@ class RunCheckpoints:
         quiet_background_failures()
         self._lock = threading.Lock()
         self._in_flight: SaveTiming | None = None
+        self._storage_failed = False  # a save failed for want of space or permission, and said so
         self._finished: list[SaveTiming] = []
         self._started_at = 0.0
         options = ocp.CheckpointManagerOptions(
@@ -122,6 +123,7 @@ class RunCheckpoints:
                 yield
         except StorageError:
             self._in_flight = None  # that save is over
+            self._storage_failed = True
             raise
 
     def _kept(self) -> str:
@@ -133,12 +135,20 @@ class RunCheckpoints:
             self.wait()
         except StorageError:
             pass  # said already by the save that failed; what is left is the cleanup below
-        # Orbax starts a cleanup of stale temporary directories at construction and its close()
-        # does not wait for it; a run that stops early (a bad config) would exit under it.
-        cleanup = getattr(self._manager, "_cleanup_tmp_directory_future", None)
-        if cleanup is not None:
-            cleanup.result()
-        self._manager.close()
+        said = self._storage_failed
+        try:
+            with self._storage_errors(None):
+                # Orbax starts a cleanup of stale temporary directories at construction and its
+                # close() does not wait for it; a run that stops early (a bad config) would exit under it.
+                cleanup = getattr(self._manager, "_cleanup_tmp_directory_future", None)
+                if cleanup is not None:
+                    cleanup.result()
+                # A failed save can surface once more here (Orbax's metadata writers hold their own
+                # copy of the error): the run has said it already, once.
+                self._manager.close()
+        except StorageError:
+            if not said:
+                raise
 
     # ---- restoring --------------------------------------------------------------------------
     def latest_step(self) -> int | None:
