@@ -75,8 +75,8 @@ def _where(stderr: str) -> str:
 
 
 class _ManagerFailingOnce:
-    """Orbax's manager after a save that ran out of space: the error surfaces at the wait and, as
-    Orbax's metadata writers keep their own copy, once more at close."""
+    """Orbax's manager after a save that ran out of space: the error surfaces at the wait, and (the
+    path a CI run's traceback may have taken) once more at close."""
 
     def __init__(self, at: tuple[str, ...]):
         self.at = set(at)

@@ -143,8 +143,8 @@ class RunCheckpoints:
                 cleanup = getattr(self._manager, "_cleanup_tmp_directory_future", None)
                 if cleanup is not None:
                     cleanup.result()
-                # A failed save can surface once more here (Orbax's metadata writers hold their own
-                # copy of the error): the run has said it already, once.
+                # Orbax waits for its writers again here, where a failed save can surface once more;
+                # a run that has said it already says nothing more.
                 self._manager.close()
         except StorageError:
             if not said:
