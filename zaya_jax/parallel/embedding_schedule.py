@@ -23,6 +23,7 @@ vocabulary-parallel loss), so no autodiff convention decides a gradient's scale:
 from __future__ import annotations
 
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -93,7 +94,7 @@ def _lookup_bwd(vocab, hidden, table_rows, ids, g):
     rows, table_spec = _specs(vocab, hidden)
     # The devices holding the same slice of the table: the token axes that do not split it.
     shared = tuple(a for entry in rows for a in entry_axes(entry) if a not in hidden)
-    local_rows = table_rows // _size(vocab)
+    local_rows = table_rows // math.prod(axis_size(a) for a in vocab)
 
     def backward(g, ids):
         for axis in hidden:  # the forward's all_to_alls, reversed
@@ -124,20 +125,6 @@ def _in_slice(ids, rows: int, vocab):
     """Row indices into this device's vocabulary slice of `rows` rows, and which ids fall in it."""
     if not vocab:
         return ids, jnp.ones(ids.shape, bool)
-    local = ids - _vocab_rank(vocab) * rows
+    local = ids - jax.lax.axis_index(vocab) * rows  # the rank over the vocabulary axes, major first
     hit = (local >= 0) & (local < rows)
     return jnp.where(hit, local, 0), hit
-
-
-def _vocab_rank(vocab):
-    rank = 0
-    for axis in vocab:
-        rank = rank * axis_size(axis) + jax.lax.axis_index(axis)
-    return rank
-
-
-def _size(axes) -> int:
-    n = 1
-    for a in axes:
-        n *= axis_size(a)
-    return n

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import dataclasses
 
-
 from zaya_jax.model.schedule import Schedule
 from zaya_jax.parallel import attention_schedule, embedding_schedule, experts_schedule, linear_schedule
 from zaya_jax.parallel.batch_map import run_kernel

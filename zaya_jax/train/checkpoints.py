@@ -118,8 +118,9 @@ class RunCheckpoints:
         """A save that failed for want of space or permission, as one line (`storage.guard`): the
         step, the path, the free space, and which checkpoint is kept."""
         try:
-            with storage.guard(f"saving the checkpoint of step {step} to {self.directory}", self.directory,
-                               then=self._kept):
+            doing = (f"saving the checkpoint of step {step} to {self.directory}" if step is not None
+                     else f"finishing the checkpoint writes in {self.directory}")  # no save of a known step
+            with storage.guard(doing, self.directory, then=self._kept):
                 yield
         except StorageError:
             self._in_flight = None  # that save is over
