@@ -4,6 +4,7 @@ full disk), no background-thread tracebacks, the previous checkpoint kept, and t
 once space is freed."""
 
 import os
+import re
 import subprocess
 import uuid
 
@@ -143,3 +144,47 @@ def test_a_storage_failure_inside_the_guard_is_one_storage_error_and_others_pass
     with pytest.raises(ValueError, match="a shape mismatch"):
         with storage.guard(f"writing the final model to {tmp_path}", str(tmp_path)):
             raise ValueError("a shape mismatch")
+
+
+def _metrics_on_a_full_disk(folder):
+    """A metrics writer with one step written, then no space left."""
+    from zaya_jax.train.metrics_writer import MetricsWriter
+
+    writer = MetricsWriter(str(folder))
+    writer.write(1, {"loss": 2.5})
+    _fill(str(folder), leave_bytes=0)
+    return writer
+
+
+def _write_until_full(writer):
+    """Steps of a few hundred bytes each until one fails: the filesystem's last partial blocks take
+    a few; the one that fails stays in the file's buffer, as a step's line does on a real full disk."""
+    for step in range(2, 10_000):
+        writer.write(step, {"loss": 2.5, "note": "x" * 200})
+
+
+def test_a_metrics_write_on_a_full_disk_is_one_storage_error_naming_the_step(small_filesystem):
+    from zaya_jax.errors import StorageError
+
+    writer = _metrics_on_a_full_disk(small_filesystem)
+    with pytest.raises(StorageError) as error:
+        _write_until_full(writer)
+    assert re.fullmatch(rf"writing the metrics of step \d+ to {small_filesystem} failed: no space left on device "
+                        r"\(0\.0 MiB free\); free space \(or choose another --workdir\) and start the run again",
+                        str(error.value)), str(error.value)
+    assert error.value.exit_code == 5
+    with pytest.raises(StorageError, match=f"closing the metrics to {small_filesystem} failed"):
+        writer.close()  # the failed line is still buffered: closing meets the full disk again
+    writer.close()  # and is over: a second close does nothing
+
+
+def test_closing_the_metrics_after_a_failure_keeps_that_failure(small_filesystem):
+    """A CI run's checkpoint save failed on a full disk, then closing the metrics met the same disk
+    and its error replaced the save's one line with a traceback (exit 1)."""
+    from zaya_jax.errors import StorageError
+
+    writer = _metrics_on_a_full_disk(small_filesystem)
+    with pytest.raises(StorageError, match="writing the metrics of step"):
+        with writer:
+            _write_until_full(writer)
+    assert writer._jsonl is None and writer._events is None

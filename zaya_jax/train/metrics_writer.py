@@ -5,13 +5,18 @@ Owns the layout of a run's metrics under its workdir:
 * `WORKDIR/metrics.jsonl` — one JSON object per `write` call, `{"step": N, ...record}`, flushed
   at once so a crashed process loses no line. Standard JSON only: NaN and ±inf (which JSON
   cannot hold) are written as `null`; numpy and jax scalars become numbers, arrays lists.
-* `WORKDIR/tensorboard/` — tensorboardX event files with every scalar of the record (ints,
+* `WORKDIR/tensorboard/` — TensorBoard event files (tensorboardX's format) with every scalar of the record (ints,
   floats and bools, the latter as 0/1) under its key; nested dicts give tags "outer/inner", and a
   flat list of numbers (the per-layer load entropy) one tag per entry, "name/0", "name/1", ...
   Nested lists and strings stay in the JSON only. NaN and inf are written as they are:
   TensorBoard shows them.
 
 In a multi-process run only process 0 writes (`enabled=False` elsewhere): one file, one story.
+
+Both files are written in the caller's thread (tensorboardX's `SummaryWriter` writes from a
+thread of its own): a write that fails for the storage's reasons (a full disk) is one
+`StorageError` line at the step that failed, and a failure while closing after another error does
+not replace that error.
 """
 
 from __future__ import annotations
@@ -21,28 +26,32 @@ import logging
 import math
 import os
 import sys
+import time
 from typing import Any, Iterator
 
 import numpy as np
 
-from zaya_jax.errors import ZayaError
+from zaya_jax import storage
+from zaya_jax.errors import StorageError, ZayaError
 
 
-def _import_summary_writer():
+def _import_tensorboardx():
     """tensorboardX imports torch when it is installed, only to name torch tensors in its type
     hints (we pass numbers): a second of every start. Hidden for that one import, unless loaded."""
     hide = "torch" not in sys.modules
     if hide:
         sys.modules["torch"] = None  # `import torch` raises ImportError while this stands
     try:
-        from tensorboardX import SummaryWriter
+        from tensorboardX import summary
+        from tensorboardX.event_file_writer import EventsWriter
+        from tensorboardX.proto.event_pb2 import Event
     finally:
         if hide:
             del sys.modules["torch"]
-    return SummaryWriter
+    return EventsWriter, Event, summary
 
 
-SummaryWriter = _import_summary_writer()
+EventsWriter, Event, summary = _import_tensorboardx()
 
 # tensorboardX warns at every NaN it writes; a skipped bad step writes one on purpose.
 logging.getLogger("tensorboardX.x2num").setLevel(logging.ERROR)
@@ -59,16 +68,16 @@ class MetricsWriter:
         self.jsonl_path = os.path.join(workdir, JSONL_NAME)
         self.tensorboard_dir = os.path.join(workdir, TENSORBOARD_DIR)
         self._jsonl = None
-        self._tb = None
+        self._events = None
         self.enabled = enabled
         if not enabled:
             return
         try:
-            # Create everything here so an unwritable workdir fails now, with its name, rather
-            # than inside tensorboardX's background writer thread.
             os.makedirs(self.tensorboard_dir, exist_ok=True)
             self._jsonl = open(self.jsonl_path, "a", encoding="utf-8")
-            self._tb = SummaryWriter(logdir=self.tensorboard_dir)
+            # The process id keeps a restart within the same second from truncating the file
+            # of the attempt before it (the name otherwise holds only the second and the host).
+            self._events = EventsWriter(os.path.join(self.tensorboard_dir, "events"), f".{os.getpid()}")
         except OSError as e:
             self.close()
             raise ZayaError(
@@ -86,34 +95,51 @@ class MetricsWriter:
             raise ValueError("record must not hold a 'step' key; pass the step as the first argument")
         plain = _plain(record)
         line = json.dumps({"step": step, **_json_safe(plain)}, allow_nan=False)
-        self._jsonl.write(line + "\n")
-        # flush() hands the line to the OS: a crashed process loses nothing. No fsync: it would
-        # cost a disk round trip per step on network filesystems for the rarer machine crash.
-        self._jsonl.flush()
-        for tag, value in _scalars(plain):
-            self._tb.add_scalar(tag, value, step)
-        self._tb.flush()
+        with self._storage(f"writing the metrics of step {step}"):
+            self._jsonl.write(line + "\n")
+            # flush() hands the line to the OS: a crashed process loses nothing. No fsync: it would
+            # cost a disk round trip per step on network filesystems for the rarer machine crash.
+            self._jsonl.flush()
+            for tag, value in _scalars(plain):
+                self._add(summary.scalar(tag, value), step)
+            self._events.flush()
 
     def write_text(self, step: int, tag: str, text: str) -> None:
         """A text entry in TensorBoard's text tab (generated samples)."""
-        if self.enabled and self._tb is not None:
-            self._tb.add_text(tag, text, _as_step(step))
-            self._tb.flush()
+        if self.enabled and self._events is not None:
+            step = _as_step(step)
+            with self._storage(f"writing the text {tag!r} of step {step}"):
+                self._add(summary.text(tag, text), step)
+                self._events.flush()
+
+    def _add(self, one: Any, step: int) -> None:
+        self._events.write_event(Event(summary=one, step=step, wall_time=time.time()))
+
+    def _storage(self, doing: str):
+        return storage.guard(f"{doing} to {self.workdir}", self.workdir)
 
     def close(self) -> None:
-        """Flush and close both sinks; safe to call twice."""
-        if self._jsonl is not None:
-            self._jsonl.close()
-            self._jsonl = None
-        if self._tb is not None:
-            self._tb.close()
-            self._tb = None
+        """Flush and close both sinks; safe to call twice, and after a failed write."""
+        jsonl, events, self._jsonl, self._events = self._jsonl, self._events, None, None
+        with self._storage("closing the metrics"):
+            try:
+                if jsonl is not None:
+                    jsonl.close()
+            finally:
+                if events is not None:
+                    events.close()
 
     def __enter__(self) -> "MetricsWriter":
         return self
 
-    def __exit__(self, *exc) -> None:
-        self.close()
+    def __exit__(self, kind, error, traceback) -> None:
+        if error is None:
+            self.close()
+            return
+        try:
+            self.close()
+        except StorageError:
+            pass  # the run is already leaving with an error of its own (often the same full disk): that one is said
 
 
 def _as_step(step) -> int:
