@@ -49,5 +49,5 @@ def describe(code: int) -> str:
         return f"saved and stopped on {name} ({code})" if code in STOPPED else f"was killed by {name} ({code})"
     words = {OK: "finished", CRASHED: "crashed", BAD_INPUT: "stopped on bad input",
              HUNG: "hung (no step progress; stacks dumped)", BAD_STEPS: "stopped on repeated bad steps",
-             STORAGE: "could not write its checkpoint (storage full or not writable)"}
+             STORAGE: "could not write its checkpoint or metrics (storage full or not writable)"}
     return f"{words.get(code, 'exited')} (status {code})"
