@@ -108,20 +108,20 @@ def profile_step(args, extra: list[str]) -> dict:
         t = time.perf_counter()
         state, metrics = jax.block_until_ready(compiled(state, batch))
         times.append(time.perf_counter() - t)
-    folder = tempfile.mkdtemp(prefix="zaya_profile_")
-    with jax.profiler.trace(folder, create_perfetto_trace=True):
-        for _ in range(args.steps):
-            state, metrics = jax.block_until_ready(compiled(state, batch))
-    hlo = compiled.as_text()
-    trace = sorted(glob.glob(os.path.join(folder, "plugins", "profile", "*", "perfetto_trace.json.gz")))[-1]
-    rows, unmatched = tally(hlo, trace, args.steps)
-    if args.keep_trace:
-        os.makedirs(args.keep_trace, exist_ok=True)
-        with open(os.path.join(folder, "step.hlo.txt"), "w", encoding="utf-8") as f:
-            f.write(hlo)
-        with tarfile.open(os.path.join(args.keep_trace, "step_trace.tar.gz"), "w:gz") as tar:
-            tar.add(trace, arcname="perfetto_trace.json.gz")
-            tar.add(os.path.join(folder, "step.hlo.txt"), arcname="step.hlo.txt")
+    with tempfile.TemporaryDirectory(prefix="zaya_profile_") as folder:  # a trace is tens of MiB
+        with jax.profiler.trace(folder, create_perfetto_trace=True):
+            for _ in range(args.steps):
+                state, metrics = jax.block_until_ready(compiled(state, batch))
+        hlo = compiled.as_text()
+        trace = sorted(glob.glob(os.path.join(folder, "plugins", "profile", "*", "perfetto_trace.json.gz")))[-1]
+        rows, unmatched = tally(hlo, trace, args.steps)
+        if args.keep_trace:
+            os.makedirs(args.keep_trace, exist_ok=True)
+            with open(os.path.join(folder, "step.hlo.txt"), "w", encoding="utf-8") as f:
+                f.write(hlo)
+            with tarfile.open(os.path.join(args.keep_trace, "step_trace.tar.gz"), "w:gz") as tar:
+                tar.add(trace, arcname="perfetto_trace.json.gz")
+                tar.add(os.path.join(folder, "step.hlo.txt"), arcname="step.hlo.txt")
     device, m, c = jax.devices()[0], exp.model, exp.config.train
     return {"device": device.device_kind, "platform": device.platform, "jax": jax.__version__,
             "layers": args.layers, "seq_len": c.seq_len, "batch": c.global_batch_size, "micro_batches": c.grad_accum_steps,
