@@ -3,6 +3,7 @@ inert EDA scale, and the per-layer interchange form."""
 
 import contextlib
 import io
+import re
 
 import jax
 import jax.numpy as jnp
@@ -132,3 +133,21 @@ def test_the_backward_reads_each_layers_weights_from_the_stack_not_a_saved_copy(
     assert not [c for c in copies if c[0] in mixers - blocks], copies
     if len(pattern) == 1:
         assert not [c for c in copies if c[0] in blocks], copies
+
+
+@pytest.mark.parametrize("pattern, layers, loops", [("C", 1, 0), ("LC", 2, 0), ("C", 2, 2), ("LC", 4, 2)])
+def test_a_layer_scan_of_one_iteration_compiles_to_no_loop(pattern, layers, loops):
+    """The explorer prices a one-iteration scan's backward as no loop (`explore/memory.working_blocks`):
+    XLA inlines it; from two units on, the forward and the backward each run a loop. (The `xla`
+    kernels: the CPU's default ones loop over tiles and chunks of their own.)"""
+    cfg = CFG.replace(num_hidden_layers=layers, layer_pattern=pattern, attention_kernel="xla", moe_kernel="xla",
+                      linear_kernel="xla")
+    graphdef, params, rest = nnx.split(model(cfg), nnx.Param, ...)
+
+    def loss(params):
+        return jnp.sum(nnx.merge(graphdef, params, rest).hidden_states(IDS, remat="none")[0] ** 2)
+
+    hlo = jax.jit(jax.grad(loss)).lower(params).compile().as_text()
+    # Loops run as many times as the scan has units (XLA:CPU's element loops run 24, the tokens)
+    trips = [int(n) for n in re.findall(r'while\(.*"known_trip_count":\{"n":"(\d+)"', hlo)]
+    assert trips.count(layers // len(pattern)) == loops, trips

@@ -38,11 +38,11 @@ def test_predicted_state_bytes_match_xla_arguments(overrides, layouts):
         assert got["argument_bytes"] == pytest.approx(state, rel=0.02), describe(sizes)
         # The global-norm clip needs every gradient before any update: they are all live at once.
         assert got["temp_bytes"] >= predicted.grad_bytes, describe(sizes)
-        # The whole step, activations and schedules' buffers included: predicted / XLA is 1.08-1.34
-        # on these 2-layer, 64-token shapes (the model's one-peak sum over-counts where XLA's peak
-        # sits elsewhere: docs/mesh_explorer.md, "Drawn shapes"); within 35%, as documented there.
+        # The whole step, activations and schedules' buffers included: predicted / XLA is 0.89-1.04
+        # on the 2-layer, 64-token shape and 1.07-1.24 on the wide one-layer one (1.17-1.34 while a
+        # one-iteration layer scan was priced with a loop's working set: `memory.working_blocks`).
         total = got["argument_bytes"] + got["temp_bytes"]
-        assert predicted.total_bytes == pytest.approx(total, rel=0.35), (describe(sizes), predicted.total_bytes / total)
+        assert predicted.total_bytes == pytest.approx(total, rel=0.3), (describe(sizes), predicted.total_bytes / total)
 
 
 def test_cli_ranks_writes_json_and_plot(tmp_path):

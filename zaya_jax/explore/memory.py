@@ -14,8 +14,8 @@ widths) — summed over the layers of each kind, then scaled by the remat policy
 * moe: every block keeps its input and the MoE's sorted tokens and grouped-matmul outputs.
 
 The backward of the block being differentiated holds about as much again under a remat policy
-(the block recomputed, and its gradients; without remat on a GPU only the gradients:
-`working_blocks`), and for its experts one layer's weights twice in the compute dtype (as its
+(the block recomputed, and its gradients; without remat on a GPU only the gradients, and half
+that where the layer scan is one iteration: `working_blocks`), and for its experts one layer's weights twice in the compute dtype (as its
 input-gradient matmuls read them, gathered over fsdp, and their gradients before the reduction).
 With one micro-batch the gradients it fills are ZeRO-1's shards (XLA reduce-scatters each layer's
 inside the layer scan); with several, each replica's running sum is whole until the step's one
@@ -192,15 +192,26 @@ def unrolled_probabilities(run: Workload, s: Share) -> float:
     return run.cfg.layer_kinds.count("C") * s.heads * s.keys * F32
 
 
-def working_blocks(run: Workload) -> int:
+def working_blocks(run: Workload) -> float:
     """How many blocks' worth of activations the backward of one block holds beside what the blocks
     keep. Under a remat policy, two: the block recomputed and its activations' gradients. Without
     remat nothing is recomputed (the block's activations are among the kept ones): on a GPU one, the
     gradients (8 deviceless H100s: 4 more of the 36 held-out drawn layouts within 10%, 2 fewer of
     the 12 development ones at ZAYA1-like widths); XLA:CPU makes about as much again in relayout
     copies of the block's operands (the attention's probabilities in a second layout, fp32
-    transposes; `test_remat_memory`'s ratios)."""
-    return 2 if run.remat != "none" or run.hw.target == "cpu" else 1
+    transposes; `test_remat_memory`'s ratios). A layer scan of one iteration is no loop to XLA (its
+    simplifier inlines the body): without remat the backward then reads the kept activations in
+    place and reuses their buffers as they die. Half as many blocks there (XLA's median on the drawn
+    shapes with one such scan: 1.1 blocks on XLA:CPU, 0.35 on the H100 build)."""
+    blocks = 2 if run.remat != "none" or run.hw.target == "cpu" else 1
+    return blocks / 2 if run.remat == "none" and scan_iterations(run) == 1 else blocks
+
+
+def scan_iterations(run: Workload) -> int:
+    """Iterations of the layer scan's loop: pattern units over the units one iteration runs (a
+    remainder runs unrolled beside it)."""
+    units = run.cfg.num_hidden_layers // len(repeating_unit(run.cfg.layer_kinds))
+    return max(units // run.scan_unroll, 1)
 
 
 def block_input_bytes(run: Workload) -> float:
