@@ -14,8 +14,9 @@ widths) — summed over the layers of each kind, then scaled by the remat policy
 * moe: every block keeps its input and the MoE's sorted tokens and grouped-matmul outputs.
 
 The backward of the block being differentiated holds about as much again under a remat policy
-(the block recomputed, and its gradients; without remat on a GPU only the gradients, and half
-that where the layer scan is one iteration: `working_blocks`), and for its experts one layer's weights twice in the compute dtype (as its
+(the block recomputed, and its gradients; on XLA:CPU every layer of the pattern's unit recomputed
+at once; without remat on a GPU only the gradients, and half that where the layer scan is one
+iteration: `working_set_per_token`), and for its experts one layer's weights twice in the compute dtype (as its
 input-gradient matmuls read them, gathered over fsdp, and their gradients before the reduction).
 With one micro-batch the gradients it fills are ZeRO-1's shards (XLA reduce-scatters each layer's
 inside the layer scan); with several, each replica's running sum is whole until the step's one
@@ -192,6 +193,21 @@ def unrolled_probabilities(run: Workload, s: Share) -> float:
     return run.cfg.layer_kinds.count("C") * s.heads * s.keys * F32
 
 
+def working_set_per_token(run: Workload, s: Share) -> float:
+    """Per token, what the backward of one scan iteration holds beside what the blocks keep:
+    `working_blocks` blocks of the largest kind. Under a remat policy the checkpoint wraps the
+    scan's body, the pattern's whole unit (`model/layer_stack.run_blocks`), and XLA:CPU recomputes
+    every layer of the unit before the unit's backward: it holds the unit's blocks and one block's
+    gradients (two blocks for a unit of one layer; over the 24 drawn hybrid layouts with remat,
+    XLA's working set is a median 1.16 of this and 1.7 of two blocks). The GPU build holds about two
+    blocks there (a median 1.08 of them over 30 layouts; 0.73 of the unit's), as if it recomputed
+    each layer just before that layer's backward."""
+    largest = largest_block_per_token(run, s)
+    if run.remat != "none" and run.hw.target == "cpu":
+        return sum(block_bytes_per_token(run, s, kind) for kind in repeating_unit(run.cfg.layer_kinds)) + largest
+    return working_blocks(run) * largest
+
+
 def working_blocks(run: Workload) -> float:
     """How many blocks' worth of activations the backward of one block holds beside what the blocks
     keep. Under a remat policy, two: the block recomputed and its activations' gradients. Without
@@ -356,7 +372,7 @@ def predict(run: Workload, sizes: dict[str, int]) -> Memory:
         "stored_activations": s.tokens * stored_per_token(run, s),
         "stored_gathered": (over_layers(run, lambda kind: gathered_per_layer(run, sizes, s, kind))
                             if run.remat == "none" else 0.0),
-        "block_working_set": working_blocks(run) * s.tokens * largest_block_per_token(run, s),
+        "block_working_set": s.tokens * working_set_per_token(run, s),
         # The backward of one block's experts: its weights in the layout the input gradients read
         # and their gradients before the reduction over the replicas, each about one layer's weights
         # in the compute dtype (bf16 both on an H100's XLA: the grouped matmul's operands and result).
