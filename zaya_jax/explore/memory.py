@@ -9,7 +9,8 @@ widths) — summed over the layers of each kind, then scaled by the remat policy
   included: TSP's gathered attention buckets and, along the sequence, a CCA layer's gathered K/V
   or a linear layer's gathered LASP-2 states (FSDP's gathered weights XLA gathers again in the
   backward: not kept);
-* full: every block keeps its fp32 input and router state; one block at a time is recomputed;
+* full: every block keeps its fp32 input and router state; one block at a time is recomputed
+  (on XLA:CPU the pattern's whole unit at once: `working_set_per_token`);
 * dots: every block keeps its matmul outputs; the rest of one block is recomputed at a time.
 * moe: every block keeps its input and the MoE's sorted tokens and grouped-matmul outputs.
 
