@@ -133,13 +133,12 @@ class MetricsWriter:
         return self
 
     def __exit__(self, kind, error, traceback) -> None:
-        if error is None:
-            self.close()
-            return
         try:
             self.close()
         except StorageError:
-            pass  # the run is already leaving with an error of its own (often the same full disk): that one is said
+            if error is None:
+                raise
+            # else the run is already leaving with an error of its own (often the same full disk): that one is said
 
 
 def _as_step(step) -> int:
