@@ -135,6 +135,27 @@ def test_the_backward_reads_each_layers_weights_from_the_stack_not_a_saved_copy(
         assert not [c for c in copies if c[0] in blocks], copies
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("remat", ["none", "dots"])
+def test_the_experts_keep_no_cast_or_fused_copy_of_their_weights_for_the_backward(dtype, remat):
+    """The grouped matmuls read their weight operand again in the backward. Were it saved, every
+    layer would keep its fused [E, H, 2·I] gate/up and, below fp32, its cast weights until then:
+    another set of the experts' weights (`remat.without_weight_copies` makes them again instead)."""
+    cfg = CFG.replace(num_hidden_layers=4, compute_dtype=dtype, moe_kernel="xla")
+    graphdef, params, rest = nnx.split(model(cfg), nnx.Param, ...)
+
+    def loss(params):
+        return jnp.sum(nnx.merge(graphdef, params, rest).hidden_states(IDS, remat=remat)[0].astype(jnp.float32) ** 2)
+
+    e, h, i = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
+    weights = {f"[{cfg.num_hidden_layers},{e},{a},{b}]" for a, b in ((h, 2 * i), (h, i), (i, h))}
+    residuals = _saved_residuals(loss, params)
+    assert any(shape.endswith(f"[{cfg.num_hidden_layers},{e},{h},{i}]") for shape, _ in residuals)  # the stack
+    copies = [(shape, why) for shape, why in residuals
+              if not why.startswith("from the argument") and shape[shape.index("["):] in weights]
+    assert not copies, copies
+
+
 @pytest.mark.parametrize("pattern, layers, loops", [("C", 1, 0), ("LC", 2, 0), ("C", 2, 2), ("LC", 4, 2)])
 def test_a_layer_scan_of_one_iteration_compiles_to_no_loop(pattern, layers, loops):
     """The explorer prices a one-iteration scan's backward as no loop (`explore/memory.working_blocks`):

@@ -11,6 +11,8 @@ per device in the schedule of `parallel/experts_schedule.py`.
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -19,6 +21,7 @@ from jax.ad_checkpoint import checkpoint_name
 from zaya_jax import kernels
 from zaya_jax.config import ModelConfig
 from zaya_jax.model.params import make_param, normal
+from zaya_jax.model.remat import without_weight_copies
 from zaya_jax.model.router import Router, Routing
 from zaya_jax.model.schedule import LOCAL, Schedule
 
@@ -34,8 +37,11 @@ class Experts(nnx.Module):
 
     def __call__(self, x: jax.Array, routing: Routing, schedule: Schedule = LOCAL) -> jax.Array:
         """x: [B, S, H]; returns weight · down(silu(gate x) ⊙ up x) per token, [B, S, H] in x's dtype."""
-        dt = x.dtype
-        gate, up, down = (w[...].astype(dt) for w in (self.gate, self.up, self.down))
+        run = without_weight_copies(functools.partial(self._run, schedule=schedule))
+        return run(x, routing, self.gate[...], self.up[...], self.down[...])
+
+    def _run(self, x, routing, gate, up, down, *, schedule: Schedule):
+        gate, up, down = (w.astype(x.dtype) for w in (gate, up, down))
         out = schedule.experts(x, routing, gate, up, down, self.kernel)
         if out is not None:
             return out
@@ -66,7 +72,8 @@ def grouped_swiglu(xs, sizes, gate, up, down, backend):
 def fuse_gate_up(gate, up):
     """gate and up side by side, [E, H, 2·I]: one grouped matmul for both. Fused here, where each
     device holds matching gate and up columns (tensor, TSP), not in the stored weight, so Muon keeps
-    orthogonalising gate and up as the separate matrices they are."""
+    orthogonalising gate and up as the separate matrices they are. The backward makes it again
+    rather than keep it (`remat.without_weight_copies`)."""
     return jnp.concatenate([gate, up], axis=-1)
 
 
