@@ -168,19 +168,21 @@ def test_pallas_kernels_run_per_batch_shard_and_train_like_one_device(single):
     # them over the batch axes; the run must still match the single-device XLA-kernel run.
     overrides = _overrides(data=4, fsdp=2) + PALLAS
     # One shard_map per kernel call (per layer: attention, three norms and the experts' schedule; then
-    # the final norm), and one more for each call's transpose in the backward. Unrolled, every
-    # layer has its own; scanned, the block body holds them once, and JAX's partial evaluation of
-    # the scan stages the experts' schedule once more in the backward (it sorts the tokens again).
+    # the final norm), and one more for each call's transpose in the backward, and per layer one
+    # where the backward casts and fuses the experts' weights again (remat.without_weight_copies).
+    # Unrolled, every layer has its own; scanned, the block body holds them once, and JAX's partial
+    # evaluation of the scan stages the experts' schedule once more in the backward (it sorts the
+    # tokens again).
     # One micro-batch: no data replicas' loop around them (parallel/grad_reduction.py; see
     # tests/test_gpu_lowering.py for kernels inside it). Two more: the embedding lookup's forward
     # and backward (parallel/embedding_schedule.py; fsdp splits the table).
     layers = load_experiment(TINY, overrides).model.num_hidden_layers
     lookup = 2
     assert _shard_maps(_lowered_hlo(overrides + ["--config.train.scan_layers=false"])) == \
-        2 * (5 * layers + 1) + lookup, "a Pallas kernel is not shard_mapped over the batch axes"
+        2 * (5 * layers + 1) + layers + lookup, "a Pallas kernel is not shard_mapped over the batch axes"
     scanned = []  # the run's own program: one block per scan iteration (train.scan_unroll=1)
     losses, params, _, norms = _run(overrides, jax.devices(), read_hlo=lambda hlo: scanned.append(_shard_maps(hlo)))
-    assert scanned == [2 * (5 + 1) + 1 + lookup]
+    assert scanned == [2 * (5 + 1) + 1 + 1 + lookup]
     ref_losses, ref_params, _, ref_norms = single
     np.testing.assert_allclose(losses, ref_losses, rtol=2e-5)
     np.testing.assert_allclose(norms, ref_norms, rtol=NORM_RTOL)

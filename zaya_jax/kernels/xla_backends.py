@@ -4,11 +4,13 @@ Attention's `cudnn` backend goes through `jax.nn.dot_product_attention` (NVIDIA;
 the `xla` attention is `xla_attention`, with a written-out backward); the grouped matmul through `jax.lax.ragged_dot` /
 `ragged_dot_general`, whose transposes XLA derives, for the `xla`, `cudnn` and `hipblaslt`
 backends alike (an XLA flag, `registry.XLA_FLAGS`, decides which GEMM XLA emits for them).
-RMSNorm has no separate XLA primitive: XLA fuses the reference expression, so the `xla` backend
-is that expression.
+RMSNorm has no separate XLA primitive: the `xla` backend is the reference expression, which XLA
+fuses, with a written-out backward that keeps only the input and each row's inverse RMS.
 """
 
 from __future__ import annotations
+
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -73,9 +75,57 @@ def grouped_matmul_transposed(lhs, dout, group_sizes, num_groups: int, *, prefer
     return out.astype(out_dtype)
 
 
+@jax.custom_vjp
 def _zero_past_groups(out, group_sizes):
-    live = jnp.arange(out.shape[0]) < jnp.sum(group_sizes)
-    return jnp.where(live[:, None], out, jnp.zeros((), out.dtype))
+    """Rows past the groups set to 0. The backward masks again from the group sizes: autodiff would
+    keep the mask broadcast to the rows' width (a byte per element) and the rows themselves."""
+    return _masked(out, group_sizes)
 
 
-rms_norm = reference.rms_norm
+def _masked(rows, group_sizes):
+    live = jnp.arange(rows.shape[0]) < jnp.sum(group_sizes)
+    return jnp.where(live[:, None], rows, jnp.zeros((), rows.dtype))
+
+
+def _zero_past_groups_fwd(out, group_sizes):
+    return _masked(out, group_sizes), group_sizes
+
+
+def _zero_past_groups_bwd(group_sizes, dout):
+    return _masked(dout, group_sizes), None
+
+
+_zero_past_groups.defvjp(_zero_past_groups_fwd, _zero_past_groups_bwd)
+
+
+def rms_norm(x, weight, *, eps, out_dtype=None):
+    """`reference.rms_norm`, whose backward keeps x and each row's inverse RMS: autodiff would keep
+    the fp32 normalised rows and the weighted ones besides (two more rows of the width per token)."""
+    return _rms_norm(x, weight, eps, jnp.dtype(out_dtype or x.dtype))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
+def _rms_norm(x, weight, eps, out_dtype):
+    return reference.rms_norm(x, weight, eps=eps, out_dtype=out_dtype)
+
+
+def _inverse_rms(x32, eps):
+    return jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+
+
+def _rms_norm_fwd(x, weight, eps, out_dtype):
+    inv = _inverse_rms(x.astype(jnp.float32), eps)
+    out = (weight.astype(jnp.float32) * (x.astype(jnp.float32) * inv)).astype(out_dtype)
+    return out, (x, weight, inv)
+
+
+def _rms_norm_bwd(eps, out_dtype, residuals, dout):
+    x, weight, inv = residuals
+    y = x.astype(jnp.float32) * inv
+    dy = dout.astype(jnp.float32) * weight.astype(jnp.float32)
+    dx = inv * (dy - y * jnp.mean(dy * y, axis=-1, keepdims=True))
+    dw = jnp.sum((dout.astype(jnp.float32) * y).reshape(-1, x.shape[-1]), axis=0)
+    return dx.astype(x.dtype), dw.astype(weight.dtype)
+
+
+_rms_norm.defvjp(_rms_norm_fwd, _rms_norm_bwd)

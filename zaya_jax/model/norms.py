@@ -35,7 +35,29 @@ class Affine(nnx.Module):
         self.bias = make_param(rngs, constant(0.0), (size,), ("embed",))
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        return (x.astype(jnp.float32) + self.bias[...]) * self.scale[...]
+        return affine(x, self.bias[...], self.scale[...])
+
+
+@jax.custom_vjp
+def affine(x, bias, scale):
+    """`(x + bias) * scale` in fp32. Its backward keeps x as it came (autodiff would keep the fp32
+    sum, a new row of the width per token where x is the residual stream kept anyway)."""
+    return (x.astype(jnp.float32) + bias) * scale
+
+
+def _affine_fwd(x, bias, scale):
+    return affine(x, bias, scale), (x, bias, scale)
+
+
+def _affine_bwd(residuals, dout):
+    x, bias, scale = residuals
+    rows = dout.reshape(-1, dout.shape[-1])
+    dbias = jnp.sum(rows, axis=0) * scale
+    dscale = jnp.sum(rows * (x.astype(jnp.float32) + bias).reshape(rows.shape), axis=0)
+    return (dout * scale).astype(x.dtype), dbias.astype(bias.dtype), dscale.astype(scale.dtype)
+
+
+affine.defvjp(_affine_fwd, _affine_bwd)
 
 
 class ResidualMerge(nnx.Module):
