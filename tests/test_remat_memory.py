@@ -70,7 +70,7 @@ def test_saving_matches_the_explorer_activation_model(temporaries, policy):
 def test_a_hybrid_units_saving_matches_the_explorer_with_the_whole_unit_recomputed():
     """The checkpoint wraps the layer scan's body, the pattern's unit: XLA:CPU recomputes both layers
     of an `LC` unit before the unit's backward (`memory.working_set_per_token`). Measured `dots` /
-    `none` 0.67, predicted 0.71; priced as one block recomputed, as for a one-layer unit, 0.58."""
+    `none` 0.67, predicted 0.72; priced as a one-layer unit is (one and a half blocks), 0.52."""
     hybrid = ["--config.model.layer_pattern=LC"]
     measured = _xla_temporaries("dots", extra=hybrid) / _xla_temporaries("none", extra=hybrid)
     predicted = _predicted_temporaries("dots", hybrid) / _predicted_temporaries("none", hybrid)

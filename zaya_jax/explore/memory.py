@@ -15,9 +15,10 @@ widths) — summed over the layers of each kind, then scaled by the remat policy
 * moe: every block keeps its input and the MoE's sorted tokens and grouped-matmul outputs.
 
 The backward of the block being differentiated holds about as much again under a remat policy
-(the block recomputed, and its gradients; on XLA:CPU every layer of the pattern's unit recomputed
-at once; without remat on a GPU only the gradients, and half that where the layer scan is one
-iteration: `working_set_per_token`), and for its experts one layer's weights twice in the compute dtype (as its
+(on a GPU the block recomputed and its gradients; on XLA:CPU about one and a half blocks, or every
+layer of a pattern's unit of several recomputed at once; without remat only the gradients, of one
+block, or on XLA:CPU of every layer of the unit, half that where the layer scan is one iteration:
+`working_set_per_token`), and for its experts one layer's weights twice in the compute dtype (as its
 input-gradient matmuls read them, gathered over fsdp, and their gradients before the reduction).
 With one micro-batch the gradients it fills are ZeRO-1's shards (XLA reduce-scatters each layer's
 inside the layer scan); with several, each replica's running sum is whole until the step's one
@@ -195,33 +196,39 @@ def unrolled_probabilities(run: Workload, s: Share) -> float:
 
 
 def working_set_per_token(run: Workload, s: Share) -> float:
-    """Per token, what the backward of one scan iteration holds beside what the blocks keep:
-    `working_blocks` blocks of the largest kind. Under a remat policy the checkpoint wraps the
-    scan's body, the pattern's whole unit (`model/layer_stack.run_blocks`), and XLA:CPU recomputes
-    every layer of the unit before the unit's backward: it holds the unit's blocks and one block's
-    gradients (two blocks for a unit of one layer; over the 24 drawn hybrid layouts with remat,
-    XLA's working set is a median 1.16 of this and 1.7 of two blocks). The GPU build holds about two
-    blocks there (a median 1.08 of them over 30 layouts; 0.73 of the unit's), as if it recomputed
-    each layer just before that layer's backward."""
+    """Per token, what the backward of one scan iteration holds beside what the blocks keep. On a
+    GPU, `working_blocks` blocks of the largest kind. On XLA:CPU the pattern's unit counts, since the
+    checkpoint wraps the scan's body, the whole unit (`model/layer_stack.run_blocks`): without remat
+    the backward holds one block's worth per layer of the unit (its activations' gradients; halved
+    in a one-iteration scan, as on a GPU); under a remat policy XLA:CPU recomputes every layer of a
+    unit of several before the unit's backward and holds the unit's blocks and one block's
+    gradients (over the 24 drawn hybrid layouts with remat, XLA's working set is a median 1.16 of
+    this and 1.7 of two blocks), and for a unit of one layer about one and a half blocks (one CPU
+    device, 4 CCA layers of hidden 512: 1.32–1.38 under `dots`, `full` and `moe`; 1.07 without remat,
+    2.2 for an `LC` unit without remat). The GPU build holds about two blocks under remat whatever
+    the unit (a median 1.08 of them over 30 hybrid layouts; 0.73 of the unit's), as if it
+    recomputed each layer just before that layer's backward."""
     largest = largest_block_per_token(run, s)
-    if run.remat != "none" and run.hw.target == "cpu":
-        return sum(block_bytes_per_token(run, s, kind) for kind in repeating_unit(run.cfg.layer_kinds)) + largest
-    return working_blocks(run) * largest
+    if run.hw.target != "cpu":
+        return working_blocks(run) * largest
+    unit = [block_bytes_per_token(run, s, kind) for kind in repeating_unit(run.cfg.layer_kinds)]
+    if run.remat == "none":
+        return sum(unit) / 2 if scan_iterations(run) == 1 else sum(unit)
+    return sum(unit) + largest if len(unit) > 1 else 1.5 * largest
 
 
 def working_blocks(run: Workload) -> float:
-    """How many blocks' worth of activations the backward of one block holds beside what the blocks
-    keep. Under a remat policy, two: the block recomputed and its activations' gradients. Without
-    remat nothing is recomputed (the block's activations are among the kept ones): on a GPU one, the
+    """How many blocks' worth of activations the backward of one block holds on a GPU beside what
+    the blocks keep. Under a remat policy, two: the block recomputed and its activations' gradients.
+    Without remat nothing is recomputed (the block's activations are among the kept ones): one, the
     gradients (8 deviceless H100s: 4 more of the 36 held-out drawn layouts within 10%, 2 fewer of
-    the 12 development ones at ZAYA1-like widths); XLA:CPU makes about as much again in relayout
-    copies of the block's operands (the attention's probabilities in a second layout, fp32
-    transposes; `test_remat_memory`'s ratios). A layer scan of one iteration is no loop to XLA (its
-    simplifier inlines the body): without remat the backward then reads the kept activations in
-    place and reuses their buffers as they die. Half as many blocks there (XLA's median on the drawn
-    shapes with one such scan: 1.1 blocks on XLA:CPU, 0.35 on the H100 build)."""
-    blocks = 2 if run.remat != "none" or run.hw.target == "cpu" else 1
-    return blocks / 2 if run.remat == "none" and scan_iterations(run) == 1 else blocks
+    the 12 development ones at ZAYA1-like widths). A layer scan of one iteration is no loop to XLA
+    (its simplifier inlines the body): without remat the backward then reads the kept activations
+    in place and reuses their buffers as they die. Half as many blocks there (XLA's median on the
+    drawn shapes with one such scan: 0.35 blocks on the H100 build)."""
+    if run.remat == "none":
+        return 0.5 if scan_iterations(run) == 1 else 1.0
+    return 2.0
 
 
 def scan_iterations(run: Workload) -> int:
