@@ -15,8 +15,8 @@ widths) — summed over the layers of each kind, then scaled by the remat policy
 * moe: every block keeps its input and the MoE's sorted tokens and grouped-matmul outputs.
 
 The backward of the block being differentiated holds about as much again under a remat policy
-(on a GPU the block recomputed and its gradients; on XLA:CPU about one and a half blocks, or every
-layer of a pattern's unit of several recomputed at once; without remat only the gradients, of one
+(on a GPU the block recomputed and its gradients; on XLA:CPU every layer of the pattern's unit
+recomputed at once, and their gradients as they are made; without remat only the gradients, of one
 block, or on XLA:CPU of every layer of the unit, half that where the layer scan is one iteration:
 `working_set_per_token`), and for its experts one layer's weights twice in the compute dtype (as its
 input-gradient matmuls read them, gathered over fsdp, and their gradients before the reduction).
@@ -50,6 +50,7 @@ from zaya_jax.kernels.ops import XLA_CHUNK
 from zaya_jax.model.layer_stack import MIXERS, repeating_unit
 
 HEADROOM = 0.10
+CPU_RECOMPUTED_UNITS = 1.15  # XLA:CPU's backward under remat: the unit recomputed, and its gradients as made
 F32 = 4
 BATCH_FIELDS = 5  # the step's inputs: inputs, targets, segment_ids, positions, loss_mask (4 bytes a token)
 
@@ -200,21 +201,19 @@ def working_set_per_token(run: Workload, s: Share) -> float:
     GPU, `working_blocks` blocks of the largest kind. On XLA:CPU the pattern's unit counts, since the
     checkpoint wraps the scan's body, the whole unit (`model/layer_stack.run_blocks`): without remat
     the backward holds one block's worth per layer of the unit (its activations' gradients; halved
-    in a one-iteration scan, as on a GPU); under a remat policy XLA:CPU recomputes every layer of a
-    unit of several before the unit's backward and holds the unit's blocks and one block's
-    gradients (over the 24 drawn hybrid layouts with remat, XLA's working set is a median 1.16 of
-    this and 1.7 of two blocks), and for a unit of one layer about one and a half blocks (one CPU
-    device, 4 CCA layers of hidden 512: 1.32–1.38 under `dots`, `full` and `moe`; 1.07 without remat,
-    2.2 for an `LC` unit without remat). The GPU build holds about two blocks under remat whatever
-    the unit (a median 1.08 of them over 30 hybrid layouts; 0.73 of the unit's), as if it
-    recomputed each layer just before that layer's backward."""
+    in a one-iteration scan, as on a GPU); under a remat policy XLA:CPU recomputes every layer of
+    the unit before the unit's backward and holds them and the gradients as they are made, 1.15
+    of the unit's blocks (one CPU device, 4 layers of hidden 512: 1.14 as `C`, 1.18–1.21 as `LC` under
+    `dots` and `full`; without remat 1.04 and 1.07 of the unit). The GPU build holds about two
+    blocks under remat whatever the unit (a median 1.08 of them over 30 hybrid layouts; 0.73 of the
+    unit's blocks plus one), as if it recomputed each layer just before that layer's backward."""
     largest = largest_block_per_token(run, s)
     if run.hw.target != "cpu":
         return working_blocks(run) * largest
-    unit = [block_bytes_per_token(run, s, kind) for kind in repeating_unit(run.cfg.layer_kinds)]
+    unit = sum(block_bytes_per_token(run, s, kind) for kind in repeating_unit(run.cfg.layer_kinds))
     if run.remat == "none":
-        return sum(unit) / 2 if scan_iterations(run) == 1 else sum(unit)
-    return sum(unit) + largest if len(unit) > 1 else 1.5 * largest
+        return unit / 2 if scan_iterations(run) == 1 else unit
+    return CPU_RECOMPUTED_UNITS * unit
 
 
 def working_blocks(run: Workload) -> float:
