@@ -93,7 +93,9 @@ def fused_swiglu(xs, sizes, gate_up, down, backend):
 @jax.custom_vjp
 def swiglu(gate_up):
     """silu(gate) ⊙ up of fused [T, 2·I] rows. Its backward keeps only the rows: autodiff would keep
-    the halves, the sigmoid and the silu besides (about twice the rows' bytes)."""
+    the halves, the sigmoid and the silu besides (about twice the rows' bytes). Written out rather
+    than a checkpoint, which XLA:CPU left 22 MiB more without remat on `test_remat_memory`'s step
+    (the same under the remat policies)."""
     gate, up = jnp.split(gate_up, 2, axis=-1)
     return jax.nn.silu(gate) * up
 

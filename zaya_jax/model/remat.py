@@ -32,17 +32,17 @@ REMAT_POLICIES = {
 def without_weight_copies(fn: Callable) -> Callable:
     """`fn`, the experts' forward, with their weights' casts to the compute dtype and the fused
     [E, H, 2·I] gate/up made again in the backward and everything else kept. The grouped matmuls
-    keep their weight operand for the backward: without this every layer's experts would leave a
-    copy of their weights behind until the backward (the fused gate/up, and below fp32 the cast
-    down) whatever the remat policy, a whole extra set of expert weights over the layers. A cast
-    and a concatenation are cheap to redo; the CSE barrier stops XLA from merging them back into
-    the forward's."""
+    keep their weight operand for the backward: without this and without remat every layer's
+    experts would leave a copy of their weights behind until the backward (the fused gate/up, and
+    below fp32 the cast down), a whole extra set of expert weights over the layers. A cast and a
+    concatenation are cheap to redo; the CSE barrier stops XLA from merging them back into the
+    forward's. Inside a remat policy's checkpoint it changes nothing the policy keeps."""
     return jax.checkpoint(fn, policy=_not_weight_copies)
 
 
 def _not_weight_copies(prim, *avals, **params) -> bool:
     """Saveable: anything but a rank-3 cast or concatenation, which in the experts' forward are
-    their weights' ([E, ·, ·]; token rows are [T, ·])."""
+    their weights' ([E, ·, ·]; the tokens are only sorted, gathered and multiplied there)."""
     return not (prim.name in ("convert_element_type", "concatenate") and avals[0].ndim == 3)
 
 
