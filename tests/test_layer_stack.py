@@ -158,7 +158,7 @@ def test_the_experts_keep_no_cast_or_fused_copy_of_their_weights_for_the_backwar
 
 @pytest.mark.parametrize("pattern, layers, loops", [("C", 1, 0), ("LC", 2, 0), ("C", 2, 2), ("LC", 4, 2)])
 def test_a_layer_scan_of_one_iteration_compiles_to_no_loop(pattern, layers, loops):
-    """The explorer prices a one-iteration scan's backward as no loop (`explore/memory.working_blocks`):
+    """The explorer prices a one-iteration scan's backward as no loop (`explore/memory.working_set_per_token`):
     XLA inlines it; from two units on, the forward and the backward each run a loop. (The `xla`
     kernels: the CPU's default ones loop over tiles and chunks of their own.)"""
     cfg = CFG.replace(num_hidden_layers=layers, layer_pattern=pattern, attention_kernel="xla", moe_kernel="xla",

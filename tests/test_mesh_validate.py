@@ -40,7 +40,7 @@ def test_predicted_state_bytes_match_xla_arguments(overrides, layouts):
         assert got["temp_bytes"] >= predicted.grad_bytes, describe(sizes)
         # The whole step, activations and schedules' buffers included: predicted / XLA is 0.89-1.04
         # on the 2-layer, 64-token shape and 1.07-1.24 on the wide one-layer one (1.17-1.34 while a
-        # one-iteration layer scan was priced with a loop's working set: `memory.working_blocks`).
+        # one-iteration layer scan was priced with a loop's working set: `memory.working_set_per_token`).
         total = got["argument_bytes"] + got["temp_bytes"]
         assert predicted.total_bytes == pytest.approx(total, rel=0.3), (describe(sizes), predicted.total_bytes / total)
 

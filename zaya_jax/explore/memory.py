@@ -197,37 +197,31 @@ def unrolled_probabilities(run: Workload, s: Share) -> float:
 
 
 def working_set_per_token(run: Workload, s: Share) -> float:
-    """Per token, what the backward of one scan iteration holds beside what the blocks keep. On a
-    GPU, `working_blocks` blocks of the largest kind. On XLA:CPU the pattern's unit counts, since the
-    checkpoint wraps the scan's body, the whole unit (`model/layer_stack.run_blocks`): without remat
-    the backward holds one block's worth per layer of the unit (its activations' gradients; halved
-    in a one-iteration scan, as on a GPU); under a remat policy XLA:CPU recomputes every layer of
-    the unit before the unit's backward and holds them and the gradients as they are made, 1.15
-    of the unit's blocks (one CPU device, 4 layers of hidden 512: 1.14 as `C`, 1.18–1.21 as `LC` under
-    `dots` and `full`; without remat 1.04 and 1.07 of the unit). The GPU build holds about two
-    blocks under remat whatever the unit (a median 1.08 of them over 30 hybrid layouts; 0.73 of the
-    unit's blocks plus one), as if it recomputed each layer just before that layer's backward."""
+    """Per token, what the backward of one scan iteration holds beside what the blocks keep.
+
+    Without remat nothing is recomputed (the block's activations are among the kept ones): the
+    backward holds their gradients, on a GPU one block's (8 deviceless H100s: 4 more of the 36
+    held-out drawn layouts within 10%, 2 fewer of the 12 development ones at ZAYA1-like widths), on
+    XLA:CPU one block's per layer of the pattern's unit, since the checkpoint wraps the scan's
+    body, the whole unit (`model/layer_stack.run_blocks`; one CPU device, 4 layers of hidden 512:
+    1.04 of the unit as `C`, 1.07 as `LC`). A layer scan of one iteration is no loop to XLA (its
+    simplifier inlines the body): the backward then reads the kept activations in place and reuses
+    their buffers as they die. Half as much there (XLA's median on the drawn shapes with one such
+    scan: 0.35 blocks on the H100 build).
+
+    Under a remat policy a GPU holds two blocks, the block recomputed and its activations'
+    gradients, whatever the unit (a median 1.08 of them over 30 hybrid layouts; 0.73 of the unit's
+    blocks plus one), as if it recomputed each layer just before that layer's backward. XLA:CPU
+    recomputes every layer of the unit before the unit's backward and holds them and the gradients
+    as they are made: 1.15 of the unit's blocks (the CPU device above: 1.14 as `C`, 1.18–1.21 as
+    `LC` under `dots` and `full`)."""
     largest = largest_block_per_token(run, s)
-    if run.hw.target != "cpu":
-        return working_blocks(run) * largest
     unit = sum(block_bytes_per_token(run, s, kind) for kind in repeating_unit(run.cfg.layer_kinds))
+    cpu = run.hw.target == "cpu"
     if run.remat == "none":
-        return unit / 2 if scan_iterations(run) == 1 else unit
-    return CPU_RECOMPUTED_UNITS * unit
-
-
-def working_blocks(run: Workload) -> float:
-    """How many blocks' worth of activations the backward of one block holds on a GPU beside what
-    the blocks keep. Under a remat policy, two: the block recomputed and its activations' gradients.
-    Without remat nothing is recomputed (the block's activations are among the kept ones): one, the
-    gradients (8 deviceless H100s: 4 more of the 36 held-out drawn layouts within 10%, 2 fewer of
-    the 12 development ones at ZAYA1-like widths). A layer scan of one iteration is no loop to XLA
-    (its simplifier inlines the body): without remat the backward then reads the kept activations
-    in place and reuses their buffers as they die. Half as many blocks there (XLA's median on the
-    drawn shapes with one such scan: 0.35 blocks on the H100 build)."""
-    if run.remat == "none":
-        return 0.5 if scan_iterations(run) == 1 else 1.0
-    return 2.0
+        held = unit if cpu else largest
+        return held / 2 if scan_iterations(run) == 1 else held
+    return CPU_RECOMPUTED_UNITS * unit if cpu else 2 * largest
 
 
 def scan_iterations(run: Workload) -> int:
