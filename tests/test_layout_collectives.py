@@ -101,13 +101,13 @@ def test_tsp_experts_ring_has_only_permutes():
     mesh = fake_mesh(tsp=d)
     _, experts, x, ints, floats = _abstract(mesh)
     written, compiled, _ = _collectives(_experts(mesh), x, ints, floats, *experts)
-    # The D-1 hops are a loop (parallel/tsp_experts.py): its body moves the fused gate|up slice and
-    # the down slice once each.
+    # The D steps are one loop (parallel/tsp_experts.py): its body moves the fused gate|up slice and
+    # the down slice once each, and no step is written after it.
     assert written == compiled == {"collective_permute": 2}
     written, compiled, _ = _collectives(_grad(_experts(mesh), (0, 3, 4, 5)), x, ints, floats, *experts)
-    # With the backward: the forward's loop, the backward's (the slices and their gradient
-    # accumulators) and the accumulators' last hop home after it.
-    assert written == compiled == {"collective_permute": 2 + 2 + 2 + 2}
+    # With the backward: the forward's loop and the backward's (the slices and their gradient
+    # accumulators, whose last hop home is the loop's last step).
+    assert written == compiled == {"collective_permute": 2 + 2 + 2}
 
 
 @pytest.mark.parametrize("zigzagged", [False, True], ids=["contiguous", "zigzag"])

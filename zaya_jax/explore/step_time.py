@@ -301,7 +301,10 @@ def transfers(run: Workload, sizes: dict[str, int]) -> list[Transfer]:
                 out += [Transfer("tsp", "all_gather", weights, a * n * (passes - 1), False, f"{name} weight buckets", where["tsp"]),
                         Transfer("tsp", "reduce_scatter", weights, a * n, False, f"{name} weight gradients", where["tsp"])]
         experts = sum(inventory.local_bytes(g, sizes, ("fsdp",)) for g in block if g.part == "experts")
-        out += [Transfer("tsp", "permute", experts, a * layers * (u - 1) * (passes + 1), True,
+        # Each pass round the ring moves the slices D times (at D = 2 once: `tsp_experts._round_the_ring`),
+        # the backward's too, and the backward's gradient accumulators D times.
+        hops = (u - 1 if u == 2 else u) * passes + u
+        out += [Transfer("tsp", "permute", experts, a * layers * hops, True,
                          "expert slices round the ring (and their gradients)", where["tsp"])]
     if sizes["expert"] > 1:
         rows = s.tokens * sizes["expert"] * cfg.hidden_size
