@@ -24,7 +24,8 @@ With one micro-batch the gradients it fills are ZeRO-1's shards (XLA reduce-scat
 inside the layer scan); with several, each replica's running sum is whole until the step's one
 reduction, this micro-batch's beside it. Unrolled layers without remat keep the `xla` attention's
 probabilities in a second layout (`unrolled_probabilities`). Added on top: the schedules' buffers
-(FSDP's gathered dense layer and embedding, TSP's gathered attention bucket and ring slices, the
+(FSDP's gathered dense layer and embedding, TSP's gathered attention bucket and ring slices, of
+every layer of the pattern's unit at once on XLA:CPU under a remat policy (`ring_layers`), the
 K/V or the linear layers' memory states gathered along the sequence), copies of every layer's
 expert weights where a hybrid pattern's unit holds several layers without remat
 (`stored_weight_bytes`), XLA:CPU's masked operands of `ragged_dot` on a CPU
@@ -293,7 +294,7 @@ def schedule_bytes(run: Workload, sizes: dict[str, int], s: Share) -> dict[str, 
                         if g.part != "experts") for kind in MIXERS if kind in kinds)
         out["gathered_weights"] = 2 * dense + gathered_embedding_bytes(run, sizes)
     if sizes["tsp"] > 1:  # the slice in use and the one arriving, cast to the compute dtype first
-        out["ring_slices"] = 2 * expert_weights(run, sizes, parts=("experts",)) * run.compute_bytes / F32
+        out["ring_slices"] = 2 * ring_layers(run, sizes) * expert_weights(run, sizes, parts=("experts",)) * run.compute_bytes / F32
     if sizes["tsp"] * sizes["sequence"] > 1:
         if "C" in kinds:
             out["gathered_kv"] = 2 * gathered_kv_bytes(run, sizes, s)  # the gathered K/V and their gradient
@@ -307,6 +308,17 @@ def expert_weights(run: Workload, sizes: dict[str, int], parts=("experts", "rout
     device (gathered over fsdp; split over expert, TSP and tensor as stored)."""
     return sum(inventory.local_bytes(g, sizes, ("fsdp",)) for g in inventory.block_groups(run.cfg)
                if g.part in parts)
+
+
+def ring_layers(run: Workload, sizes: dict[str, int]) -> int:
+    """Layers whose TSP expert rings the backward holds at once: one, but on XLA:CPU under a remat
+    policy the pattern's unit. It recomputes the unit's layers together, each with its forward ring,
+    and every layer's slices (the ring's in use and arriving, the backward ring's and their gradient
+    accumulators) stay until that layer's backward (a drawn `LC` shape under `data 4 x tsp 2`: 8
+    slices at the peak, 4 a layer; 5 more of the 72 drawn CPU layouts within 10%)."""
+    if sizes["tsp"] == 1 or run.hw.target != "cpu" or run.remat == "none":
+        return 1
+    return len(repeating_unit(run.cfg.layer_kinds))
 
 
 def stored_weight_bytes(run: Workload, sizes: dict[str, int]) -> float:
@@ -377,7 +389,8 @@ def predict(run: Workload, sizes: dict[str, int]) -> Memory:
         # The backward of one block's experts: its weights in the layout the input gradients read
         # and their gradients before the reduction over the replicas, each about one layer's weights
         # in the compute dtype (bf16 both on an H100's XLA: the grouped matmul's operands and result).
-        "block_weights": 2 * expert_weights(run, sizes) * run.compute_bytes / F32,
+        # Under TSP, the ring's slices and their gradient accumulators (`ring_layers` of them).
+        "block_weights": 2 * ring_layers(run, sizes) * expert_weights(run, sizes) * run.compute_bytes / F32,
         "stored_weights": stored_weight_bytes(run, sizes),
         "cpu_kernel": cpu_kernel_bytes(run, sizes, s),
         **schedule_bytes(run, sizes, s),
