@@ -180,3 +180,33 @@ def test_unrolled_layers_keep_the_xla_attentions_probabilities_in_two_layouts():
     model = run.cfg.num_hidden_layers * per_layer + memory.unrolled_probabilities(run, s) * s.tokens
     assert len(kept) == 2 * run.cfg.num_hidden_layers
     assert model == sum(kept)
+
+
+def test_a_hybrid_unit_under_remat_holds_every_layers_tsp_ring_on_xla_cpu():
+    """An `LC` unit under `dots` on `data 4 x tsp 2`: XLA:CPU recomputes the unit's two layers
+    together, and at the backward's peak holds both layers' expert rings (each the slices in use and
+    arriving, and the backward ring's slices and gradient accumulators): the model's ring buffers
+    (`ring_slices` and `block_weights`, `memory.ring_layers` of them) within 10%, twice what one
+    layer's would be."""
+    import jax
+
+    from zaya_jax.explore.against_xla import memory_report
+    from zaya_jax.train.program import build_program
+
+    overrides = ["--config.model.hidden_size=160", "--config.model.num_hidden_layers=2",
+                 "--config.model.layer_pattern=LC", "--config.model.num_attention_heads=8",
+                 "--config.model.num_key_value_heads=2", "--config.model.head_dim=32", "--config.model.num_experts=16",
+                 "--config.model.moe_intermediate_size=224", "--config.model.max_position_embeddings=64",
+                 "--config.train.seq_len=64", "--config.train.global_batch_size=16", "--config.train.remat=dots",
+                 "--config.train.scan_unroll=1"]
+    sizes = mesh_sizes(data=4, tsp=2)
+    exp = load_experiment(TINY, compiled_overrides(overrides + ["--config.mesh.data=4", "--config.mesh.tsp=2"]))
+    run = Workload.from_experiment(exp, hardware.profile("cpu"), 1, 8)
+    report = memory_report(build_program(exp, jax.devices()[:8]), terms=True, largest=10_000)
+    experts, hidden, width = run.cfg.num_experts, run.cfg.hidden_size, run.cfg.moe_intermediate_size // 2
+    slices = {experts * hidden * 2 * width * 4, experts * width * hidden * 4}  # fp32 gate|up and down slices
+    made = [(b, name) for b, _, _, name in report["largest_at_peak"] if "transpose(" in name]  # in the backward
+    ring = sum(b for b, name in made if b in slices and "moe/experts" in name)
+    parts = memory.predict(run, sizes).parts
+    assert memory.ring_layers(run, sizes) == 2
+    assert ring == pytest.approx(parts["ring_slices"] + parts["block_weights"], rel=0.1)
