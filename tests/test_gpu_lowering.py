@@ -127,9 +127,9 @@ def expected_calls(program, mesh: dict) -> dict:
     Per traced block (one when the layers are scanned, each layer when unrolled): the attention kernels run once per KV-group bucket (TSP gathers one group at a time)
     and per sequence chunk (one static causal-offset branch per device); three norms; two grouped
     matmuls forward (the fused gate/up, down) and two input-gradient ones backward, plus two
-    weight-gradient ones. The TSP ring's steps are a loop (its body, then the last slice after it:
-    two copies of a step's matmuls whatever the ring's length), and its backward recomputes the
-    gate/up one. Full
+    weight-gradient ones. The TSP ring's steps are one loop (its body: one copy of a step's matmuls
+    whatever the ring's length; two steps unrolled call one function twice), and its backward
+    recomputes the gate/up one. Full
     remat runs every block's forward kernels a second time in the backward.
     """
     model, step = program.exp.model, program.step_cfg
@@ -139,12 +139,11 @@ def expected_calls(program, mesh: dict) -> dict:
     chunks = tsp * mesh.get("sequence", 1) * zigzag.chunks_per_device(program.zigzagged)
     again = 2 if step.remat == "full" else 1
     attention = layers * (model.num_key_value_heads if tsp > 1 else 1) * chunks
-    ring = 2 if tsp > 1 else 1  # copies of a ring step in the program text
-    forward_gmm, backward_gmm = (2 * ring, 3 * ring) if tsp > 1 else (2, 2)
+    forward_gmm, backward_gmm = (2, 3) if tsp > 1 else (2, 2)
     return {
         "zaya_forward_kernel": attention * again, "zaya_dq_kernel": attention, "zaya_dkv_kernel": attention,
         "zaya_grouped_matmul": layers * (forward_gmm * again + backward_gmm),
-        "zaya_grouped_matmul_transposed": layers * 2 * ring,
+        "zaya_grouped_matmul_transposed": layers * 2,
         "zaya_rms_norm_fwd": 3 * layers * again + 1, "zaya_rms_norm_bwd": 3 * layers + 1,
     }
 
