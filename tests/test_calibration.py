@@ -152,14 +152,14 @@ def test_a_report_made_on_this_cpu_calibrates_the_cpu_profile_to_its_own_step(tm
              "--config.model.moe_intermediate_size=256", "--config.model.num_attention_heads=4",
              "--config.model.head_dim=64"]
     made = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "gpu_check.py"), "--platform=cpu", "--allow-cpu",
-                           "--parts=bench,profile,step", "--layers=1", "--seq-len=128", "--batch=2", "--steps=1",
+                           "--parts=bench,profile,step", "--layers=1", "--seq-len=256", "--batch=4", "--steps=1",
                            "--budget-s=300", f"--out-dir={tmp_path}", *shape],
                           capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert made.returncode == 0, made.stdout[-2000:] + made.stderr[-2000:]
     path = str(tmp_path / "gpu_cpu.json")
     measured = json.load(open(path))["parts"]["step"]["step_s"]
-    question = _run(shape + ["--config.model.num_hidden_layers=1", "--config.train.seq_len=128",
-                             "--config.train.global_batch_size=2", "--config.train.grad_accum_steps=2"], hw="cpu")
+    question = _run(shape + ["--config.model.num_hidden_layers=1", "--config.train.seq_len=256",
+                             "--config.train.global_batch_size=4", "--config.train.grad_accum_steps=4"], hw="cpu")
     run, cal = calibration.calibrate(question, path)
     assert set(cal.efficiencies) >= {"attention", "grouped_matmul", "matmul", "newton_schulz"}
     assert all(0 < v for v in cal.efficiencies.values())

@@ -25,7 +25,7 @@ inside the layer scan); with several, each replica's running sum is whole until 
 reduction, this micro-batch's beside it. Unrolled layers without remat keep the `xla` attention's
 probabilities in a second layout (`unrolled_probabilities`). Added on top: the schedules' buffers
 (FSDP's gathered dense layer and embedding, TSP's gathered attention bucket and ring slices, of
-every layer of the pattern's unit at once on XLA:CPU under a remat policy (`ring_layers`), the
+every layer of the pattern's unit at once on XLA:CPU (`ring_layers`), the
 K/V or the linear layers' memory states gathered along the sequence), copies of every layer's
 expert weights where a hybrid pattern's unit holds several layers without remat
 (`stored_weight_bytes`), XLA:CPU's masked operands of `ragged_dot` on a CPU
@@ -311,12 +311,16 @@ def expert_weights(run: Workload, sizes: dict[str, int], parts=("experts", "rout
 
 
 def ring_layers(run: Workload, sizes: dict[str, int]) -> int:
-    """Layers whose TSP expert rings the backward holds at once: one, but on XLA:CPU under a remat
-    policy the pattern's unit. It recomputes the unit's layers together, each with its forward ring,
-    and every layer's slices (the ring's in use and arriving, the backward ring's and their gradient
-    accumulators) stay until that layer's backward (a drawn `LC` shape under `data 4 x tsp 2`: 8
-    slices at the peak, 4 a layer; 5 more of the 72 drawn CPU layouts within 10%)."""
-    if sizes["tsp"] == 1 or run.hw.target != "cpu" or run.remat == "none":
+    """Layers whose TSP expert rings the backward holds at once: one, but on XLA:CPU the pattern's
+    unit. Every layer's slices (in use and arriving, and the backward ring's gradient accumulators)
+    stay from the start of the unit's backward until that layer's: under a remat policy the unit's
+    layers are recomputed together, each with its forward ring, whose slices the backward ring
+    shares (a drawn `LC` shape under `data 4 x tsp 2`, `dots`: 8 slices at the peak, 4 a layer);
+    without remat, in a layer scan that loops, XLA makes each layer's first slices, which read only
+    the weights, before the unit's backward (a `CL` shape under `fsdp 4 x tsp 2`, two units: both
+    layers' rings at the peak; with one unit, no loop, one layer's). Of the 96 drawn CPU layouts 9
+    more within 10%."""
+    if sizes["tsp"] == 1 or run.hw.target != "cpu" or (run.remat == "none" and scan_iterations(run) == 1):
         return 1
     return len(repeating_unit(run.cfg.layer_kinds))
 
