@@ -25,8 +25,8 @@ inside the layer scan); with several, each replica's running sum is whole until 
 reduction, this micro-batch's beside it. Unrolled layers without remat keep the `xla` attention's
 probabilities in a second layout (`unrolled_probabilities`). Added on top: the schedules' buffers
 (FSDP's gathered dense layer and embedding, TSP's gathered attention bucket and ring slices, of
-every layer of the pattern's unit at once on XLA:CPU (`ring_layers`), the
-K/V or the linear layers' memory states gathered along the sequence), copies of every layer's
+every layer of the pattern's unit at once on XLA:CPU (`ring_layers`), the K/V or the linear
+layers' memory states gathered along the sequence), copies of every layer's
 expert weights where a hybrid pattern's unit holds several layers without remat
 (`stored_weight_bytes`), XLA:CPU's masked operands of `ragged_dot` on a CPU
 device (`cpu_kernel_bytes`, no GPU has them) and the step's input arrays. The loss is a second

@@ -42,7 +42,7 @@ from zaya_jax.explore.placement import Span, spans
 from zaya_jax.explore.workload import Workload, Share, lasp2_ends_bytes, lasp2_state_bytes, share
 from zaya_jax.kernels import pallas_linear_attention, tiled_grouped_matmul, tuning
 from zaya_jax.model.layer_stack import MIXERS
-from zaya_jax.parallel import zigzag
+from zaya_jax.parallel import tsp_experts, zigzag
 from zaya_jax.parallel.axes import BATCH_AXES, SEQUENCE_AXES
 from zaya_jax.parallel.rules import spread_axes
 from zaya_jax.train import flops
@@ -301,9 +301,9 @@ def transfers(run: Workload, sizes: dict[str, int]) -> list[Transfer]:
                 out += [Transfer("tsp", "all_gather", weights, a * n * (passes - 1), False, f"{name} weight buckets", where["tsp"]),
                         Transfer("tsp", "reduce_scatter", weights, a * n, False, f"{name} weight gradients", where["tsp"])]
         experts = sum(inventory.local_bytes(g, sizes, ("fsdp",)) for g in block if g.part == "experts")
-        # Each pass round the ring moves the slices D times (at D = 2 once: `tsp_experts._round_the_ring`),
-        # the backward's too, and the backward's gradient accumulators D times.
-        hops = (u - 1 if u == 2 else u) * passes + u
+        # Each pass round the ring moves the slices (the backward's too), and the backward's gradient
+        # accumulators go all the way round.
+        hops = tsp_experts.slice_hops(u) * passes + u
         out += [Transfer("tsp", "permute", experts, a * layers * hops, True,
                          "expert slices round the ring (and their gradients)", where["tsp"])]
     if sizes["expert"] > 1:

@@ -13,8 +13,7 @@ buffers, and XLA's scheduler makes its loop-invariant part (on XLA:CPU the group
 copies of the tokens) before the loop and holds it through it (a drawn shape under `tsp 8`: 37.3 →
 28.2 MiB a device). The extra hop overlaps the last step's product, as every hop does its step's.
 At D = 2 the two steps are unrolled instead: one hop is in flight either way, and XLA drops the
-unused one.
-Gate and up travel fused, one buffer per slice.
+unused one (`slice_hops`). Gate and up travel fused, one buffer per slice.
 
 The backward (`custom_vjp`) runs the ring again: each rank recomputes its tokens' activations
 for the slice it holds, adds that slice's weight-gradient partial to an accumulator that travels
@@ -51,11 +50,20 @@ def _pass_on(tree, axis: str):
     return jax.lax.ppermute(tree, axis, [(i, (i + 1) % size) for i in range(size)])
 
 
+UNROLLED = 2  # a ring this long runs its steps unrolled: one hop is in flight at a time anyway
+
+
+def slice_hops(size: int) -> int:
+    """Hops the slices make in one pass round a ring of `size` ranks: one a step, but where the
+    steps are unrolled XLA drops the last one, whose result nothing reads (the explorer's count)."""
+    return size - 1 if size == UNROLLED else size
+
+
 def _round_the_ring(step, carry, axis: str):
-    """D steps, each with its hop. Two are unrolled (one hop is in flight at a time anyway; XLA
-    drops the last hop where its result is unused, and makes the steps' shared work once)."""
+    """D steps, each with its hop; unrolled at `UNROLLED` ranks (XLA then makes the steps' shared
+    work once and drops the unused last hop)."""
     size = jax.lax.axis_size(axis)
-    return jax.lax.fori_loop(0, size, step, carry, unroll=size == 2)
+    return jax.lax.fori_loop(0, size, step, carry, unroll=size == UNROLLED)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6))
