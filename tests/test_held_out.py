@@ -64,3 +64,19 @@ def test_the_drawn_shapes_benchmarks_bad_inputs_are_one_line_and_exit_2(tmp_path
     assert done.returncode == 2, done.stderr[-2000:]
     assert done.stderr.strip().count("\n") == 0 and words in done.stderr, done.stderr[-2000:]
     assert not (tmp_path / "out.json").exists()
+
+
+def test_a_deviceless_gpu_is_compiled_as_if_its_memory_were_nearly_full():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("drawn", os.path.join(ROOT, "benchmarks", "explorer_drawn_shapes.py"))
+    drawn = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(drawn)
+    with open(os.path.join(ROOT, "benchmarks", "gpu_targets", "h100_sxm.txtpb"), encoding="utf-8") as f:
+        config = f.read()
+    pressed = drawn._pressed(config)
+    assert f"device_memory_size: {drawn.PRESSED_MEMORY}\n" in pressed and "84929347584" not in pressed
+    assert pressed.replace(str(drawn.PRESSED_MEMORY), "84929347584") == config  # nothing else changed
+    with pytest.raises(SystemExit) as refused:
+        drawn._pressed(config.replace("device_memory_size", "memory_size"))
+    assert refused.value.code == 2
