@@ -206,7 +206,8 @@ def test_tensor_splits_the_lm_heads_vocabulary_and_all_reduces_its_hidden_gradie
     loss = [t for t in step_time.transfers(r, mesh_sizes(tensor=2)) if "vocabulary-parallel" in t.what]
     assert len(loss) == 1 and loss[0].calls == 2 and loss[0].nbytes == 4 * 64 * TINY.hidden_size * 4
     chunk = min(r.vocab_chunk, TINY.vocab_size // 2)
-    assert memory.loss_bytes(r, 100, 2) == 100 * (TINY.hidden_size * 4 + 2 * chunk * 4 + 8)  # a GPU: two [tokens, chunk]
+    # A GPU: two [tokens, chunk], the fp32 logits and their gradient in the compute dtype.
+    assert memory.loss_bytes(r, 100, 2) == 100 * (TINY.hidden_size * 4 + chunk * (4 + r.compute_bytes) + 8)
 
 
 def test_newton_schulz_runs_at_the_fp32_matmul_peak():

@@ -24,7 +24,7 @@ With one micro-batch the gradients it fills are ZeRO-1's shards (XLA reduce-scat
 inside the layer scan); with several, each replica's running sum is whole until the step's one
 reduction, this micro-batch's beside it. Unrolled layers without remat keep the `xla` attention's
 probabilities in a second layout (`unrolled_probabilities`). Added on top: the schedules' buffers
-(FSDP's gathered dense layer and embedding, TSP's gathered attention bucket and ring slices, of
+(FSDP's gathered dense layer, TSP's gathered attention bucket and ring slices, of
 every layer of the pattern's unit at once on XLA:CPU (`ring_layers`), the K/V or the linear
 layers' memory states gathered along the sequence), copies of every layer's
 expert weights where a hybrid pattern's unit holds several layers without remat
@@ -247,10 +247,11 @@ def loss_bytes(run: Workload, tokens: float, vocab_split: int = 1) -> float:
     """The chunked loss's working set: fp32 hidden states, [tokens, chunk] logit buffers (a chunk of
     this device's slice of the vocabulary) and the per-token statistics. XLA:CPU keeps three fp32
     ones (logits, probabilities, their gradient); a GPU's XLA fuses the softmax into its neighbours
-    and keeps two (an H100's, read off its buffers at ZAYA1-like widths: the fp32 logits beside the
-    fp32 or compute-dtype gradient)."""
+    and keeps two: the fp32 logits and their gradient in the compute dtype (8 H100s scheduling for a
+    nearly full HBM, ZAYA1-like widths: every loss-phase peak of seeds 24–35; with memory to spare
+    XLA also keeps the forward's logits under tsp)."""
     chunk = min(run.vocab_chunk, run.cfg.vocab_size // vocab_split)
-    per_entry = (3 if run.hw.target == "cpu" else 2) * F32
+    per_entry = 3 * F32 if run.hw.target == "cpu" else F32 + run.compute_bytes
     return tokens * (run.cfg.hidden_size * F32 + chunk * per_entry + 2 * F32)
 
 
@@ -287,12 +288,14 @@ def schedule_bytes(run: Workload, sizes: dict[str, int], s: Share) -> dict[str, 
     cfg, kinds = run.cfg, run.cfg.layer_kinds
     out: dict[str, float] = {}
     if sizes["fsdp"] > 1 or sizes["tsp"] > 1:
-        # One block's dense weights (the next one's prefetched: ×2; the larger kind's) and the
-        # embedding (for the loss), gathered over the axes that split their hidden dimension. The
-        # experts' gathered weights are the backward's `block_weights`; TSP's circulate instead.
+        # One block's dense weights (the next one's prefetched: ×2; the larger kind's), gathered over
+        # the axes that split their hidden dimension. The embedding gathered for the loss is the
+        # loss phase's, gone by the blocks' backward (8 H100s, a nearly full HBM: 4 more of 48
+        # drawn layouts within 10%). The experts' gathered weights are the backward's
+        # `block_weights`; TSP's circulate instead.
         dense = max(sum(inventory.local_bytes(g, sizes, ("fsdp", "tsp")) for g in inventory.block_groups(cfg, kind)
                         if g.part != "experts") for kind in MIXERS if kind in kinds)
-        out["gathered_weights"] = 2 * dense + gathered_embedding_bytes(run, sizes)
+        out["gathered_weights"] = 2 * dense
     if sizes["tsp"] > 1:  # the slice in use and the one arriving, cast to the compute dtype first
         out["ring_slices"] = 2 * ring_layers(run, sizes) * expert_weights(run, sizes, parts=("experts",)) * run.compute_bytes / F32
     if sizes["tsp"] * sizes["sequence"] > 1:
