@@ -206,8 +206,18 @@ def test_tensor_splits_the_lm_heads_vocabulary_and_all_reduces_its_hidden_gradie
     loss = [t for t in step_time.transfers(r, mesh_sizes(tensor=2)) if "vocabulary-parallel" in t.what]
     assert len(loss) == 1 and loss[0].calls == 2 and loss[0].nbytes == 4 * 64 * TINY.hidden_size * 4
     chunk = min(r.vocab_chunk, TINY.vocab_size // 2)
-    # A GPU: two [tokens, chunk], the fp32 logits and their gradient in the compute dtype.
-    assert memory.loss_bytes(r, 100, 2) == 100 * (TINY.hidden_size * 4 + chunk * (4 + r.compute_bytes) + 8)
+    assert memory.loss_bytes(r, 100, 2) == 100 * (TINY.hidden_size * 4 + chunk * 2 * 4 + 8)  # fp32 compute
+
+
+def test_a_gpus_loss_keeps_fp32_logits_and_their_gradient_in_the_compute_dtype():
+    """At the loss-phase peaks of 8 deviceless H100s scheduling for a nearly full HBM (bf16, seeds 29
+    and 34 at ZAYA1-like sizes) XLA holds one fp32 and one bf16 [tokens, chunk] buffer; XLA:CPU three fp32."""
+    bf16 = run(cfg=preset("tiny", compute_dtype="bfloat16"), hw=hardware.profile("h100"))
+    assert bf16.compute_bytes == 2
+    chunk = min(bf16.vocab_chunk, bf16.cfg.vocab_size)
+    assert memory.loss_bytes(bf16, 100) == 100 * (bf16.cfg.hidden_size * 4 + chunk * (4 + 2) + 8)
+    cpu = run(cfg=preset("tiny"), hw=hardware.profile("cpu"))
+    assert memory.loss_bytes(cpu, 100) == 100 * (cpu.cfg.hidden_size * 4 + chunk * 3 * 4 + 8)
 
 
 def test_newton_schulz_runs_at_the_fp32_matmul_peak():
