@@ -184,8 +184,9 @@ def _deviceless_gpus(path: str) -> list:
             config = f.read()
     except OSError as e:
         _fail(f"--gpu-target {path}: {e.strerror}")
+    config = _pressed(config)
     try:
-        return list(topologies.get_topology_desc(platform="cuda", target_config=_pressed(config), topology="1x1x8").devices)
+        return list(topologies.get_topology_desc(platform="cuda", target_config=config, topology="1x1x8").devices)
     except NotImplementedError:
         _fail("--gpu-target needs JAX's CUDA plugin for this jax: pip install \"jax[cuda12]==<this jax's version>\" "
               "(a venv of its own: see the top of this file)")

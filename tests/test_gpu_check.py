@@ -2,25 +2,17 @@
 Markdown from a made-up result, the pytest-output parsing, the layer step-down, and the wheel
 closure from made-up metadata. Nothing is downloaded and no GPU is needed."""
 
-import importlib.util
 import os
 import subprocess
 import sys
 
 import pytest
-from paths import ROOT
+from paths import ROOT, load_script
 
 
 
-def _load(name):
-    spec = importlib.util.spec_from_file_location(name, os.path.join(ROOT, "tools", f"{name}.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-gpu_check = _load("gpu_check")
-gpu_wheels = _load("gpu_wheels")
+gpu_check = load_script("tools", "gpu_check")
+gpu_wheels = load_script("tools", "gpu_wheels")
 
 
 @pytest.mark.parametrize("args, words", [

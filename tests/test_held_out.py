@@ -13,7 +13,7 @@ from zaya_jax.experiment import load_experiment
 from zaya_jax.explore.explorer import candidates
 from zaya_jax.explore.held_out import draw
 from zaya_jax.explore.workload import Workload
-from paths import ROOT, TINY
+from paths import ROOT, TINY, load_script
 
 SEEDS = range(40)
 
@@ -67,11 +67,7 @@ def test_the_drawn_shapes_benchmarks_bad_inputs_are_one_line_and_exit_2(tmp_path
 
 
 def test_a_deviceless_gpu_is_compiled_as_if_its_memory_were_nearly_full():
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("drawn", os.path.join(ROOT, "benchmarks", "explorer_drawn_shapes.py"))
-    drawn = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(drawn)
+    drawn = load_script("benchmarks", "explorer_drawn_shapes")
     with open(os.path.join(ROOT, "benchmarks", "gpu_targets", "h100_sxm.txtpb"), encoding="utf-8") as f:
         config = f.read()
     pressed = drawn._pressed(config)

@@ -290,9 +290,9 @@ def schedule_bytes(run: Workload, sizes: dict[str, int], s: Share) -> dict[str, 
     if sizes["fsdp"] > 1 or sizes["tsp"] > 1:
         # One block's dense weights (the next one's prefetched: ×2; the larger kind's), gathered over
         # the axes that split their hidden dimension. The embedding gathered for the loss is the
-        # loss phase's, gone by the blocks' backward (8 H100s, a nearly full HBM: 4 more of 48
-        # drawn layouts within 10%). The experts' gathered weights are the backward's
-        # `block_weights`; TSP's circulate instead.
+        # loss phase's, gone by the blocks' backward (8 H100s, a nearly full HBM: 1 more of 48
+        # drawn layouts within 10%, beside the loss buffers' 3). The experts' gathered weights are
+        # the backward's `block_weights`; TSP's circulate instead.
         dense = max(sum(inventory.local_bytes(g, sizes, ("fsdp", "tsp")) for g in inventory.block_groups(cfg, kind)
                         if g.part != "experts") for kind in MIXERS if kind in kinds)
         out["gathered_weights"] = 2 * dense
