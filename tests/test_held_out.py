@@ -2,6 +2,9 @@
 seed, each a valid experiment with at least one 8-device layout, and spread over what they draw;
 the benchmark that compiles them refuses bad input in one line."""
 
+import glob
+import json
+import math
 import os
 import subprocess
 import sys
@@ -10,6 +13,7 @@ import pytest
 
 from zaya_jax import hardware
 from zaya_jax.experiment import load_experiment
+from zaya_jax.explore import memory
 from zaya_jax.explore.explorer import candidates
 from zaya_jax.explore.held_out import draw
 from zaya_jax.explore.workload import Workload
@@ -76,3 +80,25 @@ def test_a_deviceless_gpu_is_compiled_as_if_its_memory_were_nearly_full():
     with pytest.raises(SystemExit) as refused:
         drawn._pressed(config.replace("device_memory_size", "memory_size"))
     assert refused.value.code == 2
+
+
+# The reports compiled as a device compiles for its own memory, by compiler (`memory.UNDERESTIMATE`):
+# a mocked GPU and a roomy deviceless one spend memory they have to spare, and are left out.
+COMPILERS = {"8 fake CPU devices": "cpu", "scheduled as if nearly full": "gpu"}
+
+
+@pytest.mark.slow
+def test_the_underestimate_the_explorer_warns_of_is_the_largest_measured_on_the_drawn_shapes():
+    drawn = load_script("benchmarks", "explorer_drawn_shapes")
+    largest = {}
+    for path in glob.glob(os.path.join(ROOT, "benchmarks", "explorer_drawn_shapes*.json")):
+        with open(path, encoding="utf-8") as f:
+            report = json.load(f)
+        compiler = next((c for words, c in COMPILERS.items() if report["device"].endswith(words)), None)
+        if compiler is None:
+            continue
+        hw = hardware.profile(report.get("hardware") or "cpu")
+        for row in report["rows"]:
+            predicted = memory.predict(drawn._workload(row["overrides"], hw), drawn._sizes(row["layout"]))
+            largest[compiler] = max(largest.get(compiler, 0.0), sum(row["xla"].values()) / predicted.total_bytes)
+    assert {c: math.ceil(r * 100) / 100 for c, r in largest.items()} == memory.UNDERESTIMATE

@@ -4,13 +4,14 @@ activations, FLOPs and MFU, ranking and its refusals (no compiling here; see tes
 import dataclasses
 import json
 import math
+import re
 
 import pytest
 
 from zaya_jax import hardware
 from zaya_jax.config import preset
 from zaya_jax.errors import ZayaError
-from zaya_jax.explore import inventory, memory, step_time
+from zaya_jax.explore import inventory, memory, report, step_time
 from zaya_jax.explore.collectives import Network, load_curves
 from zaya_jax.explore.explorer import explore, fits_nowhere_message
 from zaya_jax.explore.placement import Span, layouts, spans
@@ -339,6 +340,28 @@ def test_ranking_puts_fitting_layouts_first_fastest_first():
     assert not any(p.layout["tsp"] > 1 and p.layout["tensor"] > 1 for p in preds)  # check_layout's refusals hold
 
 
+def test_layouts_within_the_measured_underestimate_of_the_limit_are_tight_and_ranked_after_the_sure_ones():
+    totals = sorted(p.memory.total_bytes for p in explore(run(batch=16)))
+    # The limit just above the median layout: some fit surely, some only as predicted, some not at all.
+    usable = totals[len(totals) // 2] * 1.01
+    hw = dataclasses.replace(MI300X, hbm_gb=usable / (1 - memory.HEADROOM) / 1e9)
+    tight_run = run(hw=hw, batch=16)
+    preds = explore(tight_run)
+    sure = [p for p in preds if p.fits and not p.tight]
+    tight = [p for p in preds if p.tight]
+    assert sure and tight and len(sure) + len(tight) < len(preds)
+    assert all(p.fits for p in tight)
+    assert all(p.memory.total_bytes * memory.UNDERESTIMATE["gpu"] > usable for p in tight)
+    assert all(p.memory.total_bytes * memory.UNDERESTIMATE["gpu"] <= usable for p in sure)
+    assert preds[: len(sure) + len(tight)] == sure + tight  # each group fastest first
+    assert [p.time.step_time_s for p in tight] == sorted(p.time.step_time_s for p in tight)
+    cells = report.table(tight[:1] + sure[:1] + preds[-1:]).splitlines()[1:]
+    assert [re.search(r"\s(tight|yes|no)\s", line).group(1) for line in cells] == ["tight", "yes", "no"]
+    assert "check it with --validate" in report.tight_note(tight[0], tight_run)
+    assert "1.25x" in report.tight_note(tight[0], tight_run) and report.tight_note(sure[0], tight_run) == ""
+    assert tight[0].to_json()["tight"] and not sure[0].to_json()["tight"]
+
+
 def test_no_layout_and_fits_nowhere_say_why_and_by_how_much():
     with pytest.raises(ZayaError, match=r"no layout of 3 devices .*most common reason"):
         explore(Workload(TINY, 64, 16, 1, "none", MI300X, 1, 3))
@@ -349,6 +372,8 @@ def test_no_layout_and_fits_nowhere_say_why_and_by_how_much():
     assert "fits on no layout of 1 x 1 h100" in message and "more than the 67.1 GiB usable" in message
     over = preds[0].memory.total_bytes - memory.usable_bytes(big)
     assert f"{over / 1024 ** 3:.1f} GiB" in message
+    assert message.endswith("add devices or raise train.grad_accum_steps")  # remat is full already
+    assert fits_nowhere_message(dataclasses.replace(big, remat="dots"), preds).endswith("use train.remat=full")
 
 
 MEASURED_CPU = dataclasses.replace(hardware.profile("cpu"), peak_bf16_tflops=0.2, hbm_tb_per_s=0.03,

@@ -33,7 +33,8 @@ def add_parser(jobs) -> None:
     p = jobs.add_parser(
         "mesh", help="rank mesh layouts of a model on a cluster: predicted memory and step time",
         description="Enumerate every layout of the model over data, fsdp, expert, tsp, tensor and sequence on "
-                    "NODES x GPUS devices, predict per-device memory and step time, and rank those that fit.",
+                    "NODES x GPUS devices, predict per-device memory and step time, and rank those that fit (tight: "
+                    "they fit as predicted but not at the largest underestimate measured; --validate them).",
         epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", required=True, metavar="FILE", help="experiment file, e.g. experiments/zaya1_base_phase1.py")
     p.add_argument("--hardware", required=True, metavar="NAME", help="mi300x | mi325x | mi355x | h100 | h200 | cpu")
@@ -154,7 +155,7 @@ def mesh_command(args, overrides: list[str]) -> int:
                        devices=devices, terms=args.terms)
         if devices is not None and not _is_process_zero():
             return 0  # every process compiled; process 0 reports
-    print(report.header(question, len(shown), len(predictions), len(fitting)))
+    print(report.header(question, len(shown), len(predictions), len(fitting), sum(p.tight for p in fitting)))
     if calibrated:
         print(calibrated.summary())
     print(report.table(shown, xla))
@@ -169,5 +170,6 @@ def mesh_command(args, overrides: list[str]) -> int:
         print(f"wrote {args.plot}")
     if not fitting:
         raise ZayaError(fits_nowhere_message(question, predictions))
-    print(f"best: {describe(fitting[0].layout)} (set it with --config.mesh.AXIS=SIZE for each axis shown)")
+    print(f"best: {describe(fitting[0].layout)} (set it with --config.mesh.AXIS=SIZE for each axis shown"
+          f"{report.tight_note(fitting[0], question)})")
     return 0

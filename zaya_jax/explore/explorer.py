@@ -1,7 +1,8 @@
 """Rank every layout of a run: enumerate, check, predict memory and step time, sort.
 
 `explore(run)` returns one `Prediction` per layout the model can use on `run.devices` devices:
-those that fit first, fastest first; then those that do not, smallest first. Layouts that
+those that fit first, fastest first, the tight ones (`memory.tight`: within the model's largest
+measured underestimate of the limit) after the others; then those that do not, smallest first. Layouts that
 break a rule of `parallel/mesh.check_layout` (divisibility, unsupported mixes) are dropped with
 their reasons kept, so "no layout" can say why.
 """
@@ -25,13 +26,14 @@ GIB = 1024 ** 3
 class Prediction:
     layout: dict[str, int]
     fits: bool
+    tight: bool  # fits as predicted, but not at the largest underestimate measured (`memory.UNDERESTIMATE`)
     memory: memory.Memory
     time: step_time.StepTime
 
     def to_json(self) -> dict:
         m, t = self.memory, self.time
         return {
-            "layout": dict(self.layout), "fits": self.fits,
+            "layout": dict(self.layout), "fits": self.fits, "tight": self.tight,
             "predicted": {
                 "param_bytes": round(m.param_bytes), "grad_bytes": round(m.grad_bytes),
                 "optimizer_bytes": round(m.optimizer_bytes), "activation_bytes": round(m.activation_bytes),
@@ -67,8 +69,9 @@ def explore(run: Workload, network: Network | None = None) -> list[Prediction]:
     out = []
     for sizes in sizes_list:
         mem = memory.predict(run, sizes)
-        out.append(Prediction(sizes, mem.total_bytes <= limit, mem, step_time.predict(run, sizes, network)))
-    out.sort(key=lambda p: (not p.fits, p.time.step_time_s if p.fits else p.memory.total_bytes))
+        out.append(Prediction(sizes, mem.total_bytes <= limit, memory.tight(run, mem.total_bytes), mem,
+                              step_time.predict(run, sizes, network)))
+    out.sort(key=lambda p: (not p.fits, p.tight, p.time.step_time_s if p.fits else p.memory.total_bytes))
     return out
 
 
@@ -79,5 +82,6 @@ def fits_nowhere_message(run: Workload, predictions: list[Prediction]) -> str:
     return (f"the model fits on no layout of {run.nodes} x {run.gpus_per_node} {run.hw.name}: the smallest, "
             f"{describe(best.layout)}, needs {best.memory.total_bytes / GIB:.1f} GiB per device, "
             f"{over / GIB:.1f} GiB ({over / usable:.0%}) more than the {usable / GIB:.1f} GiB usable "
-            f"({run.hw.hbm_gb:g} GB less {memory.HEADROOM:.0%} headroom); add devices, raise "
-            "train.grad_accum_steps, or use train.remat=full")
+            f"({run.hw.hbm_gb:g} GB less {memory.HEADROOM:.0%} headroom); add devices"
+            + (" or raise train.grad_accum_steps" if run.remat == "full" else
+               ", raise train.grad_accum_steps, or use train.remat=full"))

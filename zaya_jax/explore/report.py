@@ -13,11 +13,12 @@ from zaya_jax.explore.placement import describe
 from zaya_jax.explore.workload import Workload
 
 
-def header(run: Workload, shown: int, total: int, fitting: int) -> str:
+def header(run: Workload, shown: int, total: int, fitting: int, tight: int = 0) -> str:
     cfg, hw = run.cfg, run.hw
     tokens = run.global_batch * run.seq_len
+    tight_note = f" ({tight} of them tight: within the prediction's measured error of the limit)" if tight else ""
     return (f"{total} layouts of {run.nodes} x {run.gpus_per_node} {hw.name} ({run.devices} devices); {fitting} fit in "
-            f"{hw.hbm_gb:g} GB. Model: {cfg.num_hidden_layers} layers, hidden {cfg.hidden_size}, {cfg.num_experts} experts; "
+            f"{hw.hbm_gb:g} GB{tight_note}. Model: {cfg.num_hidden_layers} layers, hidden {cfg.hidden_size}, {cfg.num_experts} experts; "
             f"{run.seq_len}-token sequences, {run.global_batch} per step ({tokens / 1e6:.1f}M tokens) in {run.grad_accum} "
             f"micro-batch(es), remat {run.remat}, {cfg.compute_dtype}. Best {shown} (GiB per device):"
             + (" [nominal hardware numbers]" if hw.nominal else ""))
@@ -31,13 +32,27 @@ def table(predictions: list[Prediction], xla: dict | None = None) -> str:
     for i, p in enumerate(predictions, 1):
         m, t = p.memory, p.time
         comm = max(t.exposed_comm_s.items(), key=lambda kv: kv[1], default=("-", 0.0))
-        row = [str(i), describe(p.layout), "yes" if p.fits else "no", *(f"{v / GIB:.2f}" for v in (
+        row = [str(i), describe(p.layout), fit_word(p.fits, p.tight), *(f"{v / GIB:.2f}" for v in (
             m.param_bytes, m.grad_bytes, m.optimizer_bytes, m.activation_bytes, m.total_bytes)),
             f"{t.step_time_s:.3g}", f"{t.mfu:.1%}", f"{comm[0]} {comm[1]:.3g}s" if comm[1] else "-"]
         if xla:
             row += _xla_cells(xla.get(describe(p.layout)), p)
         rows.append(row)
     return _aligned(cols, rows, left=(1, 10))
+
+
+def fit_word(fits: bool, tight: bool) -> str:
+    """The table's `fits` cell: yes, no, or tight (fits as predicted, within the model's largest
+    measured underestimate of the limit: check it with --validate)."""
+    return "tight" if fits and tight else "yes" if fits else "no"
+
+
+def tight_note(best: Prediction, run: Workload) -> str:
+    """What the `best:` line adds when the best layout is tight."""
+    from zaya_jax.explore.memory import underestimate
+
+    return (f"; tight: XLA has needed up to {underestimate(run):.2f}x the prediction on drawn shapes, and this "
+            "layout would not fit at that: check it with --validate") if best.tight else ""
 
 
 def terms_table(predictions: list[Prediction], xla: dict) -> str:
