@@ -119,10 +119,11 @@ def write_plot(path: str, predictions: list[Prediction], run: Workload) -> None:
     except ImportError:
         raise ZayaError("--plot needs matplotlib: pip install matplotlib (or pip install -e '.[plot]')") from None
     fig, ax = plt.subplots(figsize=(8, 5))
-    for fits, colour in ((True, "tab:blue"), (False, "tab:gray")):
-        pts = [p for p in predictions if p.fits == fits]
+    for word, colour, label in (("yes", "tab:blue", "fits"), ("tight", "tab:orange", "tight (--validate it)"),
+                                ("no", "tab:gray", "does not fit")):
+        pts = [p for p in predictions if fit_word(p.fits, p.tight) == word]
         ax.scatter([p.time.step_time_s for p in pts], [p.memory.total_bytes / GIB for p in pts], s=12, c=colour,
-                   label="fits" if fits else "does not fit")
+                   label=label)
     for p in [p for p in predictions if p.fits][:5]:
         ax.annotate(describe(p.layout), (p.time.step_time_s, p.memory.total_bytes / GIB), fontsize=7)
     ax.axhline(run.hw.hbm_gb * 1e9 / GIB, color="tab:red", lw=1, label=f"{run.hw.name} HBM")
