@@ -11,13 +11,7 @@ and runs `model.moe.by_expert` (sort by expert → grouped SwiGLU → unsort) wi
   circulate in the `ppermute` ring of `parallel.tsp_experts` (two slices resident, no all-reduce).
 - **Tensor** (`tensor` = T): each device applies its 1/T of every expert's width to the tokens
   and the partial outputs are summed with one `psum` over `tensor`.
-- **fsdp** shards of the weights (split on their hidden dimension) are gathered inside, one layer
-  at a time, along a new leading axis (`_gather_fsdp`). Left to GSPMD at the boundary, the
-  gather is along the hidden dimension, which is not the slice's major one ([E, H, I], [E, I, H]):
-  XLA lays the gathered operand out with it major and, the layout being loop-invariant, copies
-  every layer's shard so before the layer scan and holds the copy through the step (8 deviceless
-  H100s, a drawn 3-layer shape under `data 2 x fsdp 2 x sequence 2`: 378 MiB, the whole fsdp
-  shard of the experts; XLA:CPU likewise).
+- **fsdp** shards of the weights arrive gathered at the boundary (GSPMD's all-gather).
 
 On a mesh with only data-like axes (data, fsdp, sequence) the schedule still runs per device:
 left to GSPMD, the sort by expert is one global argsort over the sharded tokens, which gathers
@@ -39,7 +33,6 @@ from zaya_jax.parallel.batch_map import axes_in_context, axis_size, schedule_map
 from zaya_jax.parallel.rules import keep_axes, partition_spec
 from zaya_jax.parallel.tsp_experts import ring_experts
 
-FSDP = "fsdp"
 WEIGHT_AXES = {"gate": ("experts", "embed", "mlp"), "up": ("experts", "embed", "mlp"),
                "down": ("experts", "mlp", "embed")}
 
@@ -52,35 +45,16 @@ def active(backend: str) -> bool:
 def experts(x, expert, weight, gate, up, down, *, backend: str):
     """x [B, S, H], expert/weight [B, S]; gate/up [E, H, I], down [E, I, H] → [B, S, H] in x's dtype."""
     mesh = jax.sharding.get_abstract_mesh()
-    specs, fsdp_dims = zip(*(_weight_spec(WEIGHT_AXES[n], w, mesh) for n, w in (("gate", gate), ("up", up),
-                                                                                ("down", down))))
+    specs = tuple(keep_axes(partition_spec(WEIGHT_AXES[n], mesh, w.shape), MODEL_AXES)
+                  for n, w in (("gate", gate), ("up", up), ("down", down)))
     rows = row_spec()
-    mapped = schedule_map(functools.partial(_local_experts, backend=backend, fsdp_dims=fsdp_dims),
+    mapped = schedule_map(functools.partial(_local_experts, backend=backend),
                         in_specs=(P(*rows, None), rows, rows) + specs, out_specs=P(*rows, None),
                         check_vma=False)  # Pallas outputs carry no vma
     return mapped(x, expert, weight, gate, up, down)
 
 
-def _weight_spec(logical, w, mesh) -> tuple[P, int | None]:
-    """(the spec a weight enters the schedule with, its dimension split over fsdp alone, which the
-    schedule gathers: None when fsdp does not split it so, and GSPMD gathers it at the boundary)."""
-    spec = partition_spec(logical, mesh, w.shape)
-    dim = next((d for d, entry in enumerate(spec) if entry == FSDP), None)
-    return keep_axes(spec, MODEL_AXES + ((FSDP,) if dim is not None else ())), dim
-
-
-def _gather_fsdp(w, dim: int | None):
-    """`w` whole on `dim` from its fsdp shards: gathered along a new leading axis (the shards lie
-    one after another as they are), then that axis merged into `dim` (the one relayout, of this
-    layer's gathered weights)."""
-    if dim is None:
-        return w
-    pieces = jnp.moveaxis(jax.lax.all_gather(w, FSDP, axis=0), 0, dim)  # [..., fsdp, H/fsdp, ...]
-    return pieces.reshape(*w.shape[:dim], -1, *w.shape[dim + 1:])
-
-
-def _local_experts(x, expert, weight, gate, up, down, *, backend, fsdp_dims):
-    gate, up, down = (_gather_fsdp(w, dim) for w, dim in zip((gate, up, down), fsdp_dims))
+def _local_experts(x, expert, weight, gate, up, down, *, backend):
     batch, length, hidden = x.shape
     x, expert, weight = x.reshape(-1, hidden), expert.reshape(-1), weight.reshape(-1)
     owners = axis_size("expert")
