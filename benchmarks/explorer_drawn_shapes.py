@@ -132,21 +132,27 @@ def _write(out: str, report: dict, quiet: bool = False) -> None:
 
 def _repredict(path: str, out: str) -> int:
     """The rows of an earlier run, each layout predicted again by the current model (XLA's side as it was)."""
-    from zaya_jax import hardware
-    from zaya_jax.explore import memory
-
     try:
         with open(path, encoding="utf-8") as f:
             report = json.load(f)
-        hw = hardware.profile(report.get("hardware") or "cpu")  # the first reports were all made on CPU
+        repredicted(report)
     except (OSError, ValueError, KeyError) as e:
         _fail(f"--repredict {path}: not a report this script wrote ({e})")
+    _write(out, report)
+    return 0
+
+
+def repredicted(report: dict) -> dict:
+    """`report` (a run's JSON) with each row's prediction and ratio made again by the current model."""
+    from zaya_jax import hardware
+    from zaya_jax.explore import memory
+
+    hw = hardware.profile(report.get("hardware") or "cpu")  # the first reports were all made on CPU
     for row in report["rows"]:
         run = _workload(row["overrides"], hw)
         row["predicted"] = memory.by_term(memory.predict(run, _sizes(row["layout"])))
         row["ratio"] = sum(row["xla"].values()) / sum(row["predicted"].values())
-    _write(out, report)
-    return 0
+    return report
 
 
 def _kernels_for(hw):

@@ -32,7 +32,7 @@ def table(predictions: list[Prediction], xla: dict | None = None) -> str:
     for i, p in enumerate(predictions, 1):
         m, t = p.memory, p.time
         comm = max(t.exposed_comm_s.items(), key=lambda kv: kv[1], default=("-", 0.0))
-        row = [str(i), describe(p.layout), fit_word(p.fits, p.tight), *(f"{v / GIB:.2f}" for v in (
+        row = [str(i), describe(p.layout), fit_word(p), *(f"{v / GIB:.2f}" for v in (
             m.param_bytes, m.grad_bytes, m.optimizer_bytes, m.activation_bytes, m.total_bytes)),
             f"{t.step_time_s:.3g}", f"{t.mfu:.1%}", f"{comm[0]} {comm[1]:.3g}s" if comm[1] else "-"]
         if xla:
@@ -41,10 +41,10 @@ def table(predictions: list[Prediction], xla: dict | None = None) -> str:
     return _aligned(cols, rows, left=(1, 10))
 
 
-def fit_word(fits: bool, tight: bool) -> str:
+def fit_word(p: Prediction) -> str:
     """The table's `fits` cell: yes, no, or tight (fits as predicted, within the model's largest
     measured underestimate of the limit: check it with --validate)."""
-    return "tight" if fits and tight else "yes" if fits else "no"
+    return "tight" if p.tight else "yes" if p.fits else "no"
 
 
 def tight_note(best: Prediction, run: Workload) -> str:
@@ -121,7 +121,7 @@ def write_plot(path: str, predictions: list[Prediction], run: Workload) -> None:
     fig, ax = plt.subplots(figsize=(8, 5))
     for word, colour, label in (("yes", "tab:blue", "fits"), ("tight", "tab:orange", "tight (--validate it)"),
                                 ("no", "tab:gray", "does not fit")):
-        pts = [p for p in predictions if fit_word(p.fits, p.tight) == word]
+        pts = [p for p in predictions if fit_word(p) == word]
         ax.scatter([p.time.step_time_s for p in pts], [p.memory.total_bytes / GIB for p in pts], s=12, c=colour,
                    label=label)
     for p in [p for p in predictions if p.fits][:5]:
