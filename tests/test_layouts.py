@@ -93,8 +93,10 @@ def single():
     return _value_and_grad(CFG)
 
 
+# fsdp splits the 4 experts where they divide over expert x fsdp (the schedule gathers them) and
+# their hidden dimension where they do not (fsdp 4 x expert 2: GSPMD gathers it).
 LAYOUTS = [dict(tsp=8), dict(sequence=4, data=2), dict(tensor=2, sequence=4), dict(tensor=2, fsdp=2, data=2),
-           dict(expert=4, data=2), dict(tsp=2, fsdp=2, expert=2)]
+           dict(expert=4, data=2), dict(tsp=2, fsdp=2, expert=2), dict(fsdp=4, expert=2)]
 
 
 @pytest.mark.parametrize("layout", LAYOUTS, ids=lambda d: "x".join(f"{k}{v}" for k, v in d.items()))

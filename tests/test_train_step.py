@@ -12,6 +12,7 @@ balancer also reads the router probabilities' sums, which differ between layouts
 biases are compared across layouts on their own.
 """
 
+import re
 
 import jax
 import numpy as np
@@ -134,6 +135,22 @@ def test_parameters_are_sharded_as_the_rules_say():
     flat = jax.tree_util.tree_flatten_with_path(state.opt_state)[0]  # moments follow their parameter
     moments = [x for path, x in flat if "'layers/moe/experts/gate'" in jax.tree_util.keystr(path)]
     assert moments and all(x.sharding.spec == gate.sharding.spec for x in moments)
+    # Where the 4 experts divide over expert x fsdp, fsdp splits the experts, not their hidden dimension.
+    split = build_program(load_experiment(TINY, _overrides(fsdp=2, expert=2)), devices=jax.devices()[:4])
+    assert tuple(split.param_shardings()["layers/moe/experts/gate"].spec[:3]) == (None, ("expert", "fsdp"), None)
+
+
+def test_experts_fsdp_shards_are_gathered_without_relaying_out_the_layers():
+    # Left to GSPMD, the backward gathered each layer's [1, E/fsdp, H, I] slice of the scanned
+    # weights on its experts' dimension, and XLA made that dimension major over the layers: a
+    # copy of every layer's expert shards before the loop, held through the step
+    # (parallel/experts_schedule.py). Every array of the stacked shards' shape keeps their layout.
+    program = build_program(load_experiment(TINY, _overrides(fsdp=2, sequence=4)), devices=jax.devices())
+    hlo = program.jitted_train_step().lower(program.placed_abstract_state(), program.abstract_batch()).compile().as_text()
+    layers, experts, hidden, width = program.modeldef.param_shapes["layers/moe/experts/gate"]
+    shard = f"f32[{layers},{experts // 2},{hidden},{width}]"
+    layouts = set(re.findall(re.escape(shard) + r"(\{[0-9,]*\})", hlo))
+    assert layouts == {"{3,2,1,0}"}, f"{shard} relaid out as {layouts - {'{3,2,1,0}'}}"
 
 
 def test_gradient_accumulation_matches_one_big_batch(single):

@@ -31,7 +31,7 @@ REMAT_POLICIES = {
 
 def without_weight_copies(fn: Callable) -> Callable:
     """`fn`, the experts' forward, with their weights' casts to the compute dtype and the fused
-    [E, H, 2·I] gate/up made again in the backward and everything else kept. The grouped matmuls
+    [E, H, 2·I] gate/up (and their fsdp all-gather, `parallel/experts_schedule.py`) made again in the backward and everything else kept. The grouped matmuls
     keep their weight operand for the backward: without this and without remat every layer's
     experts would leave a copy of their weights behind until the backward (the fused gate/up, and
     below fp32 the cast down), a whole extra set of expert weights over the layers. A cast and a
@@ -41,9 +41,10 @@ def without_weight_copies(fn: Callable) -> Callable:
 
 
 def _not_weight_copies(prim, *avals, **params) -> bool:
-    """Saveable: anything but a rank-3 cast or concatenation, which in the experts' forward are
-    their weights' ([E, ·, ·]; the tokens are only sorted, gathered and multiplied there)."""
-    return not (prim.name in ("convert_element_type", "concatenate") and avals[0].ndim == 3)
+    """Saveable: anything but a rank-3 cast, concatenation or all-gather, which in the experts'
+    forward are their weights' ([E, ·, ·]; the tokens are only sorted, gathered and multiplied
+    there, as rows)."""
+    return not (prim.name in ("convert_element_type", "concatenate", "all_gather") and avals[0].ndim == 3)
 
 
 def checkpointed(fn: Callable, policy: str, *, in_scan: bool) -> Callable:

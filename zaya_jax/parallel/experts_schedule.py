@@ -11,7 +11,13 @@ and runs `model.moe.by_expert` (sort by expert → grouped SwiGLU → unsort) wi
   circulate in the `ppermute` ring of `parallel.tsp_experts` (two slices resident, no all-reduce).
 - **Tensor** (`tensor` = T): each device applies its 1/T of every expert's width to the tokens
   and the partial outputs are summed with one `psum` over `tensor`.
-- **fsdp** shards of the weights arrive gathered at the boundary (GSPMD's all-gather).
+- **fsdp** splits the experts (`parallel/rules.py`: E / (expert·fsdp) on each device); the schedule
+  all-gathers a layer's fsdp shards over `fsdp` itself, along the experts' dimension. Left to
+  GSPMD at the boundary, the backward's gather ran on the layer scan's [1, E/f, ...] slice and XLA
+  kept the gathered dimension major over the layers: a relayout copy of every layer's expert
+  weights made before the scan and held through the step (`docs/layouts.md`). The gathered
+  weights are recomputed in the backward, not kept (`model/remat.without_weight_copies`). Where
+  the experts do not divide over fsdp, it splits their hidden dimension and GSPMD gathers it.
 
 On a mesh with only data-like axes (data, fsdp, sequence) the schedule still runs per device:
 left to GSPMD, the sort by expert is one global argsort over the sharded tokens, which gathers
@@ -30,9 +36,10 @@ from jax.sharding import PartitionSpec as P
 from zaya_jax.model import moe as moe_math
 from zaya_jax.parallel.axes import MODEL_AXES
 from zaya_jax.parallel.batch_map import axes_in_context, axis_size, schedule_map, row_spec
-from zaya_jax.parallel.rules import keep_axes, partition_spec
+from zaya_jax.parallel.rules import entry_axes, keep_axes, partition_spec
 from zaya_jax.parallel.tsp_experts import ring_experts
 
+FSDP = "fsdp"
 WEIGHT_AXES = {"gate": ("experts", "embed", "mlp"), "up": ("experts", "embed", "mlp"),
                "down": ("experts", "mlp", "embed")}
 
@@ -45,16 +52,19 @@ def active(backend: str) -> bool:
 def experts(x, expert, weight, gate, up, down, *, backend: str):
     """x [B, S, H], expert/weight [B, S]; gate/up [E, H, I], down [E, I, H] → [B, S, H] in x's dtype."""
     mesh = jax.sharding.get_abstract_mesh()
-    specs = tuple(keep_axes(partition_spec(WEIGHT_AXES[n], mesh, w.shape), MODEL_AXES)
-                  for n, w in (("gate", gate), ("up", up), ("down", down)))
+    specs = tuple(partition_spec(WEIGHT_AXES[n], mesh, w.shape) for n, w in (("gate", gate), ("up", up), ("down", down)))
+    gather = FSDP in entry_axes(specs[0][0])  # the rules split all three alike
+    specs = tuple(keep_axes(s, MODEL_AXES + ((FSDP,) if gather else ())) for s in specs)
     rows = row_spec()
-    mapped = schedule_map(functools.partial(_local_experts, backend=backend),
+    mapped = schedule_map(functools.partial(_local_experts, backend=backend, gather=gather),
                         in_specs=(P(*rows, None), rows, rows) + specs, out_specs=P(*rows, None),
                         check_vma=False)  # Pallas outputs carry no vma
     return mapped(x, expert, weight, gate, up, down)
 
 
-def _local_experts(x, expert, weight, gate, up, down, *, backend):
+def _local_experts(x, expert, weight, gate, up, down, *, backend, gather):
+    if gather:
+        gate, up, down = (jax.lax.all_gather(w, FSDP, axis=0, tiled=True) for w in (gate, up, down))
     batch, length, hidden = x.shape
     x, expert, weight = x.reshape(-1, hidden), expert.reshape(-1), weight.reshape(-1)
     owners = axis_size("expert")

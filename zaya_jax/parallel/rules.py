@@ -5,7 +5,8 @@ activations use `batch` and `length`. A logical axis maps to a tuple of mesh axe
 in the table is replicated. Mesh axes of size 1 are dropped, so one table serves every layout:
 
 - data / fsdp / expert: each device reads its own sequences; fsdp shards the hidden dimension
-  of every weight (ZeRO-3), expert owns E / expert experts.
+  of every weight (ZeRO-3) but the experts', which it splits by expert after `expert` (E /
+  (expert·fsdp) each; `parallel/experts_schedule.py` says why); expert owns E / expert experts.
 - tensor (Megatron): query/KV heads and the experts' width are split; attention keeps whole
   KV groups per device; the tied embedding / LM head is split on its vocabulary, and the loss
   runs vocabulary-parallel (`train/loss.py`).
@@ -15,7 +16,9 @@ in the table is replicated. Mesh axes of size 1 are dropped, so one table serves
 - sequence (context parallel): the sequence is split; weights are not.
 
 Rules are applied in table order: a mesh axis goes to the first of an array's dimensions that
-claims it (the experts' `mlp` takes `tsp` before their `embed` can).
+claims it (the experts' `mlp` takes `tsp` before their `embed` can). A dimension takes the
+longest run of its rule's axes that divides it, leaving the rest to later dimensions (experts
+that do not divide over expert × fsdp leave fsdp to their hidden dimension).
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 RULES: dict[str, tuple[str, ...]] = {
     "batch": ("data", "fsdp", "expert"),
     "length": ("tsp", "sequence"),
-    "experts": ("expert",),
+    "experts": ("expert", "fsdp"),
     "mlp": ("tensor", "tsp"),
     "heads": ("tensor",),
     "vocab": ("tensor",),
@@ -51,14 +54,21 @@ def partition_spec(logical_axes: Iterable[str | None] | None, mesh: Mesh, shape=
             if name != rule:
                 continue
             axes = tuple(a for a in mesh_axes if a in mesh.shape and mesh.shape[a] > 1 and a not in used)
-            size = 1
-            for a in axes:
-                size *= mesh.shape[a]
-            if shape is not None and shape[dim] % size:
-                axes = ()
+            if shape is not None:
+                axes = _dividing_prefix(axes, mesh, shape[dim])
             used.update(axes)
             spec[dim] = spec_entry(axes)
     return PartitionSpec(*spec)
+
+
+def _dividing_prefix(axes: tuple[str, ...], mesh: Mesh, length: int) -> tuple[str, ...]:
+    """The longest leading run of `axes` whose sizes multiply to a divisor of `length`."""
+    size = 1
+    for n, a in enumerate(axes):
+        size *= mesh.shape[a]
+        if length % size:
+            return axes[:n]
+    return axes
 
 
 def spec_entry(axes) -> str | tuple[str, ...] | None:
