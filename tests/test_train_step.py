@@ -140,17 +140,33 @@ def test_parameters_are_sharded_as_the_rules_say():
     assert tuple(split.param_shardings()["layers/moe/experts/gate"].spec[:3]) == (None, ("expert", "fsdp"), None)
 
 
-def test_experts_fsdp_shards_are_gathered_without_relaying_out_the_layers():
+@pytest.fixture(scope="module")
+def fsdp_experts_step():
+    """The compiled step (HLO text) of fsdp 2 x sequence 4 without remat, and the experts' [L, E, H, I]."""
+    program = build_program(load_experiment(TINY, _overrides(fsdp=2, sequence=4) + ["--config.train.remat=none"]),
+                            devices=jax.devices())
+    hlo = program.jitted_train_step().lower(program.placed_abstract_state(), program.abstract_batch()).compile().as_text()
+    return hlo, program.modeldef.param_shapes["layers/moe/experts/gate"]
+
+
+def test_experts_fsdp_shards_are_gathered_without_relaying_out_the_layers(fsdp_experts_step):
     # Left to GSPMD, the backward gathered each layer's [1, E/fsdp, H, I] slice of the scanned
     # weights on its experts' dimension, and XLA made that dimension major over the layers: a
     # copy of every layer's expert shards before the loop, held through the step
     # (parallel/experts_schedule.py). Every array of the stacked shards' shape keeps their layout.
-    program = build_program(load_experiment(TINY, _overrides(fsdp=2, sequence=4)), devices=jax.devices())
-    hlo = program.jitted_train_step().lower(program.placed_abstract_state(), program.abstract_batch()).compile().as_text()
-    layers, experts, hidden, width = program.modeldef.param_shapes["layers/moe/experts/gate"]
+    hlo, (layers, experts, hidden, width) = fsdp_experts_step
     shard = f"f32[{layers},{experts // 2},{hidden},{width}]"
     layouts = set(re.findall(re.escape(shard) + r"(\{[0-9,]*\})", hlo))
     assert layouts == {"{3,2,1,0}"}, f"{shard} relaid out as {layouts - {'{3,2,1,0}'}}"
+
+
+def test_a_backward_without_remat_does_not_keep_the_experts_gathered_layers(fsdp_experts_step):
+    # The schedule's all-gathered layer [E, H, I] is made again in the backward
+    # (model/remat.without_weight_copies); kept, the layer scan would stack every layer's,
+    # [L, E, H, I] on each device, where fsdp stores [L, E/fsdp, H, I].
+    hlo, (layers, experts, hidden, width) = fsdp_experts_step
+    stacked = [f"[{layers},{experts},{hidden},{width}]", f"[{layers},{experts},{width},{hidden}]"]
+    assert [hlo.count(s) for s in stacked] == [0, 0]
 
 
 def test_gradient_accumulation_matches_one_big_batch(single):
