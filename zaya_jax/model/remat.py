@@ -30,13 +30,14 @@ REMAT_POLICIES = {
 
 
 def without_weight_copies(fn: Callable) -> Callable:
-    """`fn`, the experts' forward, with their weights' casts to the compute dtype and the fused
-    [E, H, 2·I] gate/up (and their fsdp all-gather, `parallel/experts_schedule.py`) made again in the backward and everything else kept. The grouped matmuls
-    keep their weight operand for the backward: without this and without remat every layer's
-    experts would leave a copy of their weights behind until the backward (the fused gate/up, and
-    below fp32 the cast down), a whole extra set of expert weights over the layers. A cast and a
-    concatenation are cheap to redo; the CSE barrier stops XLA from merging them back into the
-    forward's. Inside a remat policy's checkpoint it changes nothing the policy keeps."""
+    """`fn`, the experts' forward, with their weights' fsdp all-gather (`parallel/experts_schedule.py`),
+    casts to the compute dtype and the fused [E, H, 2·I] gate/up made again in the backward and
+    everything else kept. The grouped matmuls keep their weight operand for the backward: without
+    this and without remat every layer's experts would leave a copy of their weights behind until
+    the backward (the gathered layer, the fused gate/up, and below fp32 the cast down), a whole
+    extra set of expert weights over the layers. A gather, a cast and a concatenation are cheap to
+    redo; the CSE barrier stops XLA from merging them back into the forward's. Inside a remat
+    policy's checkpoint it changes nothing the policy keeps."""
     return jax.checkpoint(fn, policy=_not_weight_copies)
 
 
