@@ -144,7 +144,8 @@ def test_cli_prints_the_calibration_and_refuses_a_missing_file(tmp_path):
 def test_a_report_made_on_this_cpu_calibrates_the_cpu_profile_to_its_own_step(tmp_path):
     """tools/gpu_check.py's bench, profile and step parts on CPU (small shapes) write a report; the
     calibrated explorer prices the elementwise work and Newton–Schulz from its profile and then
-    predicts that report's step at its measured time."""
+    predicts that report's step at its measured time. The budget is a cap, not a wait: alone the
+    parts take about 75 s, but beside CI's other worker the profile ran past a 69 s share."""
     import subprocess
     import sys
 
@@ -153,8 +154,8 @@ def test_a_report_made_on_this_cpu_calibrates_the_cpu_profile_to_its_own_step(tm
              "--config.model.head_dim=64"]
     made = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "gpu_check.py"), "--platform=cpu", "--allow-cpu",
                            "--parts=bench,profile,step", "--layers=1", "--seq-len=256", "--batch=4", "--steps=1",
-                           "--budget-s=300", f"--out-dir={tmp_path}", *shape],
-                          capture_output=True, text=True, timeout=600, cwd=ROOT)
+                           "--budget-s=900", f"--out-dir={tmp_path}", *shape],
+                          capture_output=True, text=True, timeout=1000, cwd=ROOT)
     assert made.returncode == 0, made.stdout[-2000:] + made.stderr[-2000:]
     path = str(tmp_path / "gpu_cpu.json")
     measured = json.load(open(path))["parts"]["step"]["step_s"]
