@@ -132,14 +132,21 @@ def test_remat_full_keeps_only_block_inputs():
 
 def test_cpu_ragged_dot_operands_are_priced_for_the_xla_grouped_matmul_on_a_cpu_device_only():
     """Per (local expert, row), fp32 values: the larger of the down product's backward (its masked
-    cotangent twice, the kept masked inputs H + W, the byte mask H/4) and the gate/up's (its masked
-    cotangent twice 2·2W, the down's masked input W, its own twice 2H, the mask) — as read off
-    XLA's buffers (tests/test_xla_terms.py)."""
+    cotangent twice, the kept masked inputs H + W, the byte mask H/4) and the gate/up's — with
+    one layer a scan step its masked cotangent twice 2·2W and its own input H; with several
+    layers in the body also the down's masked input W, a second copy of its own H and the mask —
+    as read off XLA's buffers (tests/test_xla_terms.py, benchmarks/explorer_drawn_shapes*.json)."""
     sizes = mesh_sizes(expert=2, data=4)
-    cpu = run(TINY.replace(moe_kernel="xla"), hw=hardware.profile("cpu"))
     local_experts, rows = 4 / 2, 16 * 64 / 8 * 2  # the expert axis gathers 2 devices' tokens
-    gate_up_backward = 5 * 32 + 2 * 64 + 64 / 4  # W = 32: larger than the down's 3·64 + 32 + 16
-    assert memory.cpu_kernel_bytes(cpu, sizes, share(cpu, sizes)) == local_experts * rows * gate_up_backward * 4
+    wide = run(TINY.replace(moe_kernel="xla", moe_intermediate_size=64), hw=hardware.profile("cpu"))
+    one_layer_gate_up = 4 * 64 + 64  # W = 64: larger than the down's 3·64 + 64 + 16
+    assert memory.cpu_kernel_bytes(wide, sizes, share(wide, sizes)) == local_experts * rows * one_layer_gate_up * 4
+    cpu = run(TINY.replace(moe_kernel="xla"), hw=hardware.profile("cpu"))
+    down_backward = 3 * 64 + 32 + 64 / 4  # W = 32: one layer's gate/up backward, 4·32 + 64, is smaller
+    assert memory.cpu_kernel_bytes(cpu, sizes, share(cpu, sizes)) == local_experts * rows * down_backward * 4
+    hybrid = run(TINY.replace(moe_kernel="xla", layer_pattern="LC"), hw=hardware.profile("cpu"))
+    gate_up_backward = 5 * 32 + 2 * 64 + 64 / 4  # two layers a step: larger than the down's
+    assert memory.cpu_kernel_bytes(hybrid, sizes, share(hybrid, sizes)) == local_experts * rows * gate_up_backward * 4
     unrolled = dataclasses.replace(cpu, scan_unroll=2)  # straight-line layers keep the forward's too
     assert memory.cpu_kernel_bytes(unrolled, sizes, share(cpu, sizes)) == \
         local_experts * rows * (gate_up_backward + 64 + 32) * 4
