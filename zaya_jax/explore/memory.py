@@ -370,17 +370,21 @@ def cpu_kernel_bytes(run: Workload, sizes: dict[str, int], s: Share) -> float:
     twice (2H), the masked inputs the forward kept for the weight gradients (H for gate/up, W for
     down) and the mask (a byte per H); the gate/up backward its masked cotangent twice (2·2W), the
     down's masked input, its own twice (2H) and the mask. The larger of the two, read off XLA's
-    buffers at the peak (`explore/xla_terms.py`). With one layer a scan step and no ring, by the
-    gate/up backward the down's masked input, the mask and one copy of its own are dead: 4W + H
-    (exactly, on 26 of the drawn CPU layouts of pattern `C`; the larger form over-counted them by a
-    quarter). Unrolled layers without remat keep every layer's forward inputs (H + W more). No GPU
-    kernel has them."""
+    buffers at the peak (`explore/xla_terms.py`). Without a ring the scan step's layer count
+    changes the gate/up backward: with one layer a step the down's masked input, the mask and one
+    copy of its own are dead by then, 4W + H (exactly, on 26 drawn CPU layouts of pattern `C`,
+    where the larger form over-counted by a quarter); with several, at narrow widths (tensor
+    splits) another layer's masked inputs are live beside it, 4H + 2W (exactly on three drawn
+    hybrid layouts, 2–6% under on four). Unrolled layers without remat keep every layer's forward
+    inputs (H + W more). No GPU kernel has them."""
     if run.hw.target != "cpu" or run.backend("grouped_matmul", run.cfg.moe_kernel) != "xla":
         return 0.0
     rows, local_experts = held_rows(run, sizes, s)
     h, w = run.cfg.hidden_size, s.expert_width / sizes["tsp"]
     mask = h / F32
-    gate_up = 4 * w + h if _one_layer_a_step(run) and sizes["tsp"] == 1 else 5 * w + 2 * h + mask
+    gate_up = 5 * w + 2 * h + mask
+    if sizes["tsp"] == 1:
+        gate_up = 4 * w + h if _one_layer_a_step(run) else max(gate_up, 4 * h + 2 * w)
     per_row = max(3 * h + w + mask, gate_up)
     if run.remat == "none" and run.scan_unroll > 1:
         per_row += h + w
