@@ -171,6 +171,21 @@ def test_a_hybrid_unit_of_several_layers_keeps_copies_of_its_expert_weights_only
     assert memory.stored_weight_bytes(run(TINY.replace(num_hidden_layers=4)), sizes) == 0  # one layer per unit
 
 
+def test_a_one_iteration_layer_scan_holds_half_a_block_unless_it_unrolls_several():
+    """Without remat XLA:CPU's backward holds one block's gradients beside the kept activations; a
+    scan of one iteration of one block is inlined and reuses the kept buffers (half), but one
+    iteration that unrolls several blocks (`tiny_cpu`'s scan_unroll=4) holds the whole block."""
+    cpu = hardware.profile("cpu")
+    s = share(run(hw=cpu), mesh_sizes(data=8))
+    block = memory.block_bytes_per_token(run(hw=cpu), s)
+    looped = run(TINY.replace(num_hidden_layers=4), hw=cpu)
+    assert memory.working_set_per_token(looped, s) == block
+    one = run(TINY.replace(num_hidden_layers=1), hw=cpu)
+    assert memory.working_set_per_token(one, s) == block / 2
+    unrolled = dataclasses.replace(looped, scan_unroll=4)
+    assert memory.scan_iterations(unrolled) == 1 and memory.working_set_per_token(unrolled, s) == block
+
+
 def test_the_update_is_the_peak_on_cpu_when_the_gradients_outweigh_the_activations():
     cpu = hardware.profile("cpu")
     m = memory.predict(run(batch=1, seq=8, hw=cpu), mesh_sizes())  # one device, 8 tokens: the weights dominate

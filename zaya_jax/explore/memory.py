@@ -226,7 +226,10 @@ def working_set_per_token(run: Workload, s: Share) -> float:
     1.04 of the unit as `C`, 1.07 as `LC`). A layer scan of one iteration is no loop to XLA (its
     simplifier inlines the body): the backward then reads the kept activations in place and reuses
     their buffers as they die. Half as much there (XLA's median on the drawn shapes with one such
-    scan: 0.35 blocks on the H100 build).
+    scan: 0.35 blocks on the H100 build). Not when that iteration unrolls several units
+    (`train.scan_unroll`, `tiny_cpu`'s four blocks): XLA:CPU holds a whole block's gradients
+    there (`tiny_cpu` under `fsdp 8`: 4.7 MiB of working set against 3.3 priced with the half;
+    the 44-layout sweep 2 → 22 within 10%).
 
     Under a remat policy a GPU holds two blocks, the block recomputed and its activations'
     gradients, whatever the unit (a median 1.08 of them over 30 hybrid layouts; 0.73 of the unit's
@@ -239,7 +242,7 @@ def working_set_per_token(run: Workload, s: Share) -> float:
     cpu = run.hw.target == "cpu"
     if run.remat == "none":
         held = unit if cpu else largest
-        return held / 2 if scan_iterations(run) == 1 else held
+        return held / 2 if scan_iterations(run) == 1 and run.scan_unroll == 1 else held
     return CPU_RECOMPUTED_UNITS * unit if cpu else 2 * largest
 
 
