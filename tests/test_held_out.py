@@ -34,7 +34,8 @@ def test_draws_repeat_per_seed_and_cover_what_they_draw():
     values = [dict(o.split("=", 1) for o in draw(seed)) for seed in SEEDS]
     for key, at_least in {"--config.train.remat": 4, "--config.model.layer_pattern": 3,
                           "--config.train.grad_accum_steps": 2, "--config.model.num_experts": 3,
-                          "--config.model.hidden_size": 5, "--config.train.seq_len": 3}.items():
+                          "--config.model.hidden_size": 5, "--config.train.seq_len": 3,
+                          "--config.train.scan_unroll": 3}.items():
         assert len({v[key] for v in values}) >= at_least, key
 
 

@@ -3,7 +3,7 @@ fitted to them.
 
 `draw(seed)` gives `zaya train`/`zaya mesh` overrides on top of `experiments/tiny_cpu.py`: hidden
 width, layers, heads and KV groups, head width, experts and their width, sequence length, global
-batch and micro-batches, remat policy and the hybrid pattern, each drawn from ranges a CPU compiles
+batch and micro-batches, remat policy, hybrid pattern and the layer scan's unrolling, each drawn from ranges a CPU compiles
 in seconds. Every draw passes the model's own validation (`config.validate`) and leaves at least one
 8-device layout. `draw(seed, widths="gpu")` is the same draw at ZAYA1-like sizes, for a GPU's
 compiler (compiled, not run: `benchmarks/explorer_drawn_shapes.py --gpu-target`): widths ×8, heads
@@ -52,7 +52,9 @@ def draw(seed: int, widths: str = "cpu") -> list[str]:
         "train.global_batch_size": 8 * accum * rng.choice((1, 2)),
         "train.grad_accum_steps": accum,
         "train.remat": rng.choice(REMAT),
-        "train.scan_unroll": 1,
+        # Drawn last, so every seed's other fields are what they were before it was drawn (reports
+        # before 2026-11-28 all hold 1). All the units in one iteration is `tiny_cpu`'s own regime.
+        "train.scan_unroll": rng.choice((1, 1, layers // len(pattern))),
     }
     if widths == "gpu":
         values = {key: value * GPU_SCALE.get(key, 1) for key, value in values.items()} | GPU_EXTRA
