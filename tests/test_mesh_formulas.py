@@ -174,7 +174,8 @@ def test_a_hybrid_unit_of_several_layers_keeps_copies_of_its_expert_weights_only
 def test_a_one_iteration_layer_scan_holds_half_a_block_unless_it_unrolls_several():
     """Without remat XLA:CPU's backward holds one block's gradients beside the kept activations; a
     scan of one iteration of one block is inlined and reuses the kept buffers (half), but one
-    iteration that unrolls several blocks (`tiny_cpu`'s scan_unroll=4) holds the whole block."""
+    iteration that unrolls several blocks (`tiny_cpu`'s scan_unroll=4) holds the whole block; under
+    a remat policy the backward holds every block the iteration recomputes."""
     cpu = hardware.profile("cpu")
     s = share(run(hw=cpu), mesh_sizes(data=8))
     block = memory.block_bytes_per_token(run(hw=cpu), s)
@@ -184,6 +185,10 @@ def test_a_one_iteration_layer_scan_holds_half_a_block_unless_it_unrolls_several
     assert memory.working_set_per_token(one, s) == block / 2
     unrolled = dataclasses.replace(looped, scan_unroll=4)
     assert memory.scan_iterations(unrolled) == 1 and memory.working_set_per_token(unrolled, s) == block
+    # Under a remat policy XLA:CPU recomputes every block of the iteration before its backward.
+    recomputed = dataclasses.replace(looped, remat="dots")
+    assert memory.working_set_per_token(dataclasses.replace(recomputed, scan_unroll=2), s) == \
+        2 * memory.working_set_per_token(recomputed, s) == 2 * memory.CPU_RECOMPUTED_UNITS * block
 
 
 def test_the_update_is_the_peak_on_cpu_when_the_gradients_outweigh_the_activations():

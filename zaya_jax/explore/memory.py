@@ -236,14 +236,16 @@ def working_set_per_token(run: Workload, s: Share) -> float:
     blocks plus one), as if it recomputed each layer just before that layer's backward. XLA:CPU
     recomputes every layer of the unit before the unit's backward and holds them and the gradients
     as they are made: 1.15 of the unit's blocks (the CPU device above: 1.14 as `C`, 1.18–1.21 as
-    `LC` under `dots` and `full`)."""
+    `LC` under `dots` and `full`), of every unit an unrolled iteration runs (`train.scan_unroll`;
+    drawn seeds 106 and 107 under `dots`, 2–3 units an iteration: 1.16–1.53 of XLA's total to the
+    model with one unit, 1.01–1.28 with them)."""
     largest = largest_block_per_token(run, s)
     unit = sum(block_bytes_per_token(run, s, kind) for kind in repeating_unit(run.cfg.layer_kinds))
     cpu = run.hw.target == "cpu"
     if run.remat == "none":
         held = unit if cpu else largest
         return held / 2 if scan_iterations(run) == 1 and run.scan_unroll == 1 else held
-    return CPU_RECOMPUTED_UNITS * unit if cpu else 2 * largest
+    return CPU_RECOMPUTED_UNITS * unit * run.scan_unroll if cpu else 2 * largest
 
 
 def scan_iterations(run: Workload) -> int:
