@@ -58,7 +58,7 @@ HEADROOM = 0.10
 # on 8 fake CPUs, XLA's GPU compiler for 8 deviceless H100s scheduling for a nearly full HBM (ROCm's
 # shares its scheduler). XLA has needed this much more than the prediction; a layout predicted
 # within it of the limit may not fit.
-UNDERESTIMATE = {"cpu": 1.28, "gpu": 1.25}
+UNDERESTIMATE = {"cpu": 1.32, "gpu": 1.25}
 CPU_RECOMPUTED_UNITS = 1.15  # XLA:CPU's backward under remat: the unit recomputed, and its gradients as made
 F32 = 4
 BATCH_FIELDS = 5  # the step's inputs: inputs, targets, segment_ids, positions, loss_mask (4 bytes a token)
