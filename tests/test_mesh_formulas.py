@@ -135,7 +135,8 @@ def test_cpu_ragged_dot_operands_are_priced_for_the_xla_grouped_matmul_on_a_cpu_
     cotangent twice, the kept masked inputs H + W, the byte mask H/4) and the gate/up's — with
     one layer a scan step its masked cotangent twice 2·2W and its own input H; with several
     layers in the body also the down's masked input W, a second copy of its own H and the mask,
-    or at narrow widths another layer's inputs, 4H + 2W — as read off XLA's buffers (tests/test_xla_terms.py, benchmarks/explorer_drawn_shapes*.json)."""
+    or at narrow widths another layer's inputs, 4H + 2W — as read off XLA's buffers
+    (tests/test_xla_terms.py, benchmarks/explorer_drawn_shapes*.json)."""
     sizes = mesh_sizes(expert=2, data=4)
     local_experts, rows = 4 / 2, 16 * 64 / 8 * 2  # the expert axis gathers 2 devices' tokens
     wide = run(TINY.replace(moe_kernel="xla", moe_intermediate_size=64), hw=hardware.profile("cpu"))

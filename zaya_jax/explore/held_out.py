@@ -3,8 +3,8 @@ fitted to them.
 
 `draw(seed)` gives `zaya train`/`zaya mesh` overrides on top of `experiments/tiny_cpu.py`: hidden
 width, layers, heads and KV groups, head width, experts and their width, sequence length, global
-batch and micro-batches, remat policy, hybrid pattern and the layer scan's unrolling, each drawn from ranges a CPU compiles
-in seconds. Every draw passes the model's own validation (`config.validate`) and leaves at least one
+batch and micro-batches, remat policy, hybrid pattern and the layer scan's unrolling, each drawn
+from ranges a CPU compiles in seconds. Every draw passes the model's own validation (`config.validate`) and leaves at least one
 8-device layout. `draw(seed, widths="gpu")` is the same draw at ZAYA1-like sizes, for a GPU's
 compiler (compiled, not run: `benchmarks/explorer_drawn_shapes.py --gpu-target`): widths ×8, heads
 ×4 as wide, sequences ×16 (1K–4K tokens), bf16 compute and a 16K vocabulary, so that activations,

@@ -380,8 +380,8 @@ def cpu_kernel_bytes(run: Workload, sizes: dict[str, int], s: Share) -> float:
     copy of its own are dead by then, 4W + H (exactly, on 26 drawn CPU layouts of pattern `C`,
     where the larger form over-counted by a quarter); with several, at narrow widths (tensor
     splits) another layer's masked inputs are live beside it, 4H + 2W (exactly on three drawn
-    hybrid layouts, 2–6% under on four). Unrolled layers without remat keep every layer's forward
-    inputs (H + W more). No GPU kernel has them."""
+    hybrid layouts; XLA 2–9% above it on four under `full`). Unrolled layers without remat keep
+    every layer's forward inputs (H + W more). No GPU kernel has them."""
     if run.hw.target != "cpu" or run.backend("grouped_matmul", run.cfg.moe_kernel) != "xla":
         return 0.0
     rows, local_experts = held_rows(run, sizes, s)
