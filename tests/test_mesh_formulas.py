@@ -135,7 +135,8 @@ def test_cpu_ragged_dot_operands_are_priced_for_the_xla_grouped_matmul_on_a_cpu_
     cotangent twice, the kept masked inputs H + W, the byte mask H/4) and the gate/up's — with
     one layer a scan step its masked cotangent twice 2·2W and its own input H; with several
     layers in the body also the down's masked input W, a second copy of its own H and the mask,
-    or at narrow widths another layer's inputs, 4H + 2W — as read off XLA's buffers
+    or at narrow widths another layer's inputs, 4H + 2W; an unrolled iteration's every layer's
+    kept inputs beside the down's cotangent — as read off XLA's buffers
     (tests/test_xla_terms.py, benchmarks/explorer_drawn_shapes*.json)."""
     sizes = mesh_sizes(expert=2, data=4)
     local_experts, rows = 4 / 2, 16 * 64 / 8 * 2  # the expert axis gathers 2 devices' tokens
@@ -151,9 +152,12 @@ def test_cpu_ragged_dot_operands_are_priced_for_the_xla_grouped_matmul_on_a_cpu_
     narrow = run(TINY.replace(moe_kernel="xla", layer_pattern="LC"), hw=hardware.profile("cpu"))
     two_layers = 4 * 64 + 2 * 32  # W = 32: another layer's masked inputs, larger than 5W + 2H + H/4 = 304
     assert memory.cpu_kernel_bytes(narrow, sizes, share(narrow, sizes)) == local_experts * rows * two_layers * 4
-    unrolled = dataclasses.replace(cpu, scan_unroll=2)  # two layers a step, and straight-line layers keep the forward's
-    assert memory.cpu_kernel_bytes(unrolled, sizes, share(cpu, sizes)) == \
-        local_experts * rows * (two_layers + 64 + 32) * 4
+    # An unrolled iteration makes every layer's masked inputs (H + W + H/4) before its first backward,
+    # with or without remat: two layers 2·112 + 2H = 352, above the several-layer gate/up's 4H + 2W.
+    for policy, unroll in (("none", 2), ("dots", 4)):
+        unrolled = dataclasses.replace(cpu, scan_unroll=unroll, remat=policy)
+        assert memory.cpu_kernel_bytes(unrolled, sizes, share(cpu, sizes)) == \
+            local_experts * rows * (unroll * (64 + 32 + 64 / 4) + 2 * 64) * 4
     tsp = mesh_sizes(tsp=8)  # a ring step's slice of the width, W = 4: the down's backward is larger
     down_backward = 3 * 64 + 4 + 64 / 4
     assert memory.cpu_kernel_bytes(cpu, tsp, share(cpu, tsp)) == 4 * (16 * 64 / 8) * down_backward * 4  # TSP splits the tokens too

@@ -48,7 +48,7 @@ import dataclasses
 import math
 
 from zaya_jax.explore import inventory
-from zaya_jax.explore.workload import Workload, Share, lasp2_state_bytes, share
+from zaya_jax.explore.workload import Workload, Share, lasp2_state_bytes, pattern_units, share
 from zaya_jax.kernels.ops import XLA_CHUNK
 from zaya_jax.model.layer_stack import MIXERS, repeating_unit
 
@@ -58,7 +58,7 @@ HEADROOM = 0.10
 # on 8 fake CPUs, XLA's GPU compiler for 8 deviceless H100s scheduling for a nearly full HBM (ROCm's
 # shares its scheduler). XLA has needed this much more than the prediction; a layout predicted
 # within it of the limit may not fit.
-UNDERESTIMATE = {"cpu": 1.32, "gpu": 1.25}
+UNDERESTIMATE = {"cpu": 1.28, "gpu": 1.25}
 CPU_RECOMPUTED_UNITS = 1.15  # XLA:CPU's backward under remat: the unit recomputed, and its gradients as made
 F32 = 4
 BATCH_FIELDS = 5  # the step's inputs: inputs, targets, segment_ids, positions, loss_mask (4 bytes a token)
@@ -251,8 +251,7 @@ def working_set_per_token(run: Workload, s: Share) -> float:
 def scan_iterations(run: Workload) -> int:
     """Iterations of the layer scan's loop: pattern units over the units one iteration runs (a
     remainder runs unrolled beside it)."""
-    units = run.cfg.num_hidden_layers // len(repeating_unit(run.cfg.layer_kinds))
-    return max(units // run.scan_unroll, 1)
+    return max(pattern_units(run.cfg) // run.scan_unroll, 1)
 
 
 def block_input_bytes(run: Workload) -> float:
@@ -372,16 +371,20 @@ def cpu_kernel_bytes(run: Workload, sizes: dict[str, int], s: Share) -> float:
     every row by every local expert through masked operands, [local experts, rows, K] and flattened
     [rows, experts·K]. At the backward's peak, per (expert, row), in fp32 values (W the width one
     pass computes: a TSP ring step's slice): the down product's backward holds its masked cotangent
-    twice (2H), the masked inputs the forward kept for the weight gradients (H for gate/up, W for
-    down) and the mask (a byte per H); the gate/up backward its masked cotangent twice (2·2W), the
-    down's masked input, its own twice (2H) and the mask. The larger of the two, read off XLA's
-    buffers at the peak (`explore/xla_terms.py`). Without a ring the scan step's layer count
-    changes the gate/up backward: with one layer a step the down's masked input, the mask and one
-    copy of its own are dead by then, 4W + H (exactly, on 26 drawn CPU layouts of pattern `C`,
-    where the larger form over-counted by a quarter); with several, at narrow widths (tensor
-    splits) another layer's masked inputs are live beside it, 4H + 2W (exactly on three drawn
-    hybrid layouts; XLA 2–9% above it on four under `full`). Unrolled layers without remat keep
-    every layer's forward inputs (H + W more). No GPU kernel has them."""
+    twice (2H) beside the masked inputs the forward kept for the weight gradients (H for gate/up, W
+    for down) and their mask (a byte per H), of one layer, or where the scan's iteration unrolls
+    several units of every layer it runs (`train.scan_unroll`; the iteration's forward, or under
+    remat its recomputation, makes all of them before the first layer's backward: read off XLA:CPU's
+    buffers: `tiny_cpu`'s four unrolled layers exactly on 27 of its 44 layouts, 0.67–0.89 of it on
+    the expert splits, which peak where some are dead; a drawn `CL` shape under `dots`, two units an
+    iteration, four layers' inputs at the peak); the gate/up backward its
+    masked cotangent twice (2·2W), the down's masked input, its own twice (2H) and the mask. The
+    larger of the two. Without a ring the scan step's layer count changes the gate/up backward:
+    with one layer a step the down's masked input, the mask and one copy of its own are dead by
+    then, 4W + H (exactly, on 26 drawn CPU layouts of pattern `C`, where the larger form
+    over-counted by a quarter); with several, at narrow widths (tensor splits) another layer's
+    masked inputs are live beside it, 4H + 2W (exactly on three drawn hybrid layouts; XLA 2–9% above
+    it on four under `full`). No GPU kernel has them."""
     if run.hw.target != "cpu" or run.backend("grouped_matmul", run.cfg.moe_kernel) != "xla":
         return 0.0
     rows, local_experts = held_rows(run, sizes, s)
@@ -390,10 +393,14 @@ def cpu_kernel_bytes(run: Workload, sizes: dict[str, int], s: Share) -> float:
     gate_up = 5 * w + 2 * h + mask
     if sizes["tsp"] == 1:
         gate_up = 4 * w + h if _one_layer_a_step(run) else max(gate_up, 4 * h + 2 * w)
-    per_row = max(3 * h + w + mask, gate_up)
-    if run.remat == "none" and run.scan_unroll > 1:
-        per_row += h + w
+    kept = _layers_an_iteration(run) if run.scan_unroll > 1 else 1
+    per_row = max(kept * (h + w + mask) + 2 * h, gate_up)
     return local_experts * rows * per_row * F32
+
+
+def _layers_an_iteration(run: Workload) -> int:
+    """Layers one iteration of the layer scan runs: the pattern's unit, `train.scan_unroll` times."""
+    return len(repeating_unit(run.cfg.layer_kinds)) * run.scan_unroll
 
 
 def _one_layer_a_step(run: Workload) -> bool:

@@ -14,6 +14,7 @@ import math
 from zaya_jax.config import ModelConfig
 from zaya_jax.hardware import HardwareProfile
 from zaya_jax.kernels.registry import DEFAULTS
+from zaya_jax.model.layer_stack import repeating_unit
 from zaya_jax.parallel import zigzag
 from zaya_jax.parallel.axes import BATCH_AXES, SEQUENCE_AXES
 
@@ -35,7 +36,9 @@ class Workload:
     ns_steps: int = 5  # Muon's Newton–Schulz iterations
     zero1: bool = True  # optimizer state split over `data` too (optim.shard_over_data)
     zigzag: bool = True  # mesh.zigzag: causal attention balanced over the sequence devices
-    scan_unroll: int = 1  # train.scan_unroll: layers per iteration of the layer scan
+    # train.scan_unroll: units of the layer pattern an iteration of the layer scan runs, at most the
+    # model's (`from_experiment`: a scan unrolls no further than its length)
+    scan_unroll: int = 1
     # Measured shares of the peak per kernel kind (`step_time.flops_by_kernel`, and Muon's
     # `newton_schulz` of the fp32 peak), the factor a profiled step puts on the modelled elementwise
     # work, and the residual that scales compute to a measured step (`explore/calibration.py`);
@@ -49,7 +52,7 @@ class Workload:
         c = exp.config
         return cls(exp.model, c.train.seq_len, c.train.global_batch_size, c.train.grad_accum_steps, c.train.remat,
                    hw, nodes, gpus_per_node, c.train.loss_vocab_chunk, c.optim.muon_ns_steps, c.optim.shard_over_data,
-                   c.mesh.zigzag, scan_unroll=c.train.scan_unroll)
+                   c.mesh.zigzag, scan_unroll=min(c.train.scan_unroll, pattern_units(exp.model)))
 
     @property
     def devices(self) -> int:
@@ -87,6 +90,11 @@ class Share:
     keys: int  # keys each local query attends over (the whole sequence with sequence chunks)
     dispatch: int  # tokens gathered per local token for the experts (expert axis size)
     rows: float  # sequences of the micro-batch on this device (whole, or its chunks of each)
+
+
+def pattern_units(cfg: ModelConfig) -> int:
+    """How many times the layer pattern's repeating unit runs: the layer scan's length."""
+    return cfg.num_hidden_layers // len(repeating_unit(cfg.layer_kinds))
 
 
 def share(run: Workload, sizes: dict[str, int]) -> Share:
