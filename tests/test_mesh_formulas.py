@@ -192,8 +192,25 @@ def test_a_one_iteration_layer_scan_holds_half_a_block_unless_it_unrolls_several
     assert memory.scan_iterations(unrolled) == 1 and memory.working_set_per_token(unrolled, s) == block
     # Under a remat policy XLA:CPU recomputes every block of the iteration before its backward.
     recomputed = dataclasses.replace(looped, remat="dots")
-    assert memory.working_set_per_token(dataclasses.replace(recomputed, scan_unroll=2), s) == \
-        2 * memory.working_set_per_token(recomputed, s) == 2 * memory.CPU_RECOMPUTED_UNITS * block
+    scores = memory.recomputed_scores_per_token(recomputed, s)
+    one_unit = memory.working_set_per_token(recomputed, s) - scores
+    two_units = memory.working_set_per_token(dataclasses.replace(recomputed, scan_unroll=2), s) - scores
+    assert two_units == pytest.approx(2 * one_unit) and one_unit == pytest.approx(memory.CPU_RECOMPUTED_UNITS * block)
+
+
+def test_a_recomputed_xla_attention_holds_its_probabilities_and_their_gradient_on_a_cpu():
+    """XLA:CPU's backward of a recomputed `xla` CCA layer holds 2.5 [heads, keys] fp32 sets per token,
+    1.5 beyond the one the block counts; no set with a flash kernel, none without a CCA layer."""
+    cpu, sizes = hardware.profile("cpu"), mesh_sizes(tsp=4, data=2)
+    recomputed = run(TINY.replace(attention_kernel="xla"), hw=cpu, remat="full")
+    s = share(recomputed, sizes)
+    probabilities = s.heads * 64 * 4  # every key of the 64-token sequence, fp32
+    assert memory.recomputed_scores_per_token(recomputed, s) == 1.5 * probabilities
+    assert memory.working_set_per_token(recomputed, s) == pytest.approx(
+        memory.CPU_RECOMPUTED_UNITS * memory.block_bytes_per_token(recomputed, s) + 1.5 * probabilities)
+    flash = run(TINY.replace(attention_kernel="pallas"), hw=cpu, remat="full")
+    linear_only = run(TINY.replace(attention_kernel="xla", layer_pattern="L"), hw=cpu, remat="full")
+    assert memory.recomputed_scores_per_token(flash, s) == memory.recomputed_scores_per_token(linear_only, s) == 0
 
 
 def test_the_update_is_the_peak_on_cpu_when_the_gradients_outweigh_the_activations():

@@ -58,8 +58,9 @@ HEADROOM = 0.10
 # on 8 fake CPUs, XLA's GPU compiler for 8 deviceless H100s scheduling for a nearly full HBM (ROCm's
 # shares its scheduler). XLA has needed this much more than the prediction; a layout predicted
 # within it of the limit may not fit.
-UNDERESTIMATE = {"cpu": 1.28, "gpu": 1.25}
+UNDERESTIMATE = {"cpu": 1.26, "gpu": 1.25}
 CPU_RECOMPUTED_UNITS = 1.15  # XLA:CPU's backward under remat: the unit recomputed, and its gradients as made
+RECOMPUTED_SCORES = 1.5  # XLA:CPU's recomputed attention backward: probability sets beyond the block's one
 F32 = 4
 BATCH_FIELDS = 5  # the step's inputs: inputs, targets, segment_ids, positions, loss_mask (4 bytes a token)
 
@@ -238,14 +239,29 @@ def working_set_per_token(run: Workload, s: Share) -> float:
     as they are made: 1.15 of the unit's blocks (the CPU device above: 1.14 as `C`, 1.18–1.21 as
     `LC` under `dots` and `full`), of every unit an unrolled iteration runs (`train.scan_unroll`;
     drawn seeds 106 and 107 under `dots`, 2–3 units an iteration: 1.16–1.53 of XLA's total to the
-    model with one unit, 1.01–1.28 with them)."""
+    model with one unit, 1.01–1.28 with them), and the recomputed `xla` attention's probabilities
+    and their gradient (`recomputed_scores_per_token`)."""
     largest = largest_block_per_token(run, s)
     unit = sum(block_bytes_per_token(run, s, kind) for kind in repeating_unit(run.cfg.layer_kinds))
     cpu = run.hw.target == "cpu"
     if run.remat == "none":
         held = unit if cpu else largest
         return held / 2 if scan_iterations(run) == 1 and run.scan_unroll == 1 else held
-    return CPU_RECOMPUTED_UNITS * unit * run.scan_unroll if cpu else 2 * largest
+    if not cpu:
+        return 2 * largest
+    return CPU_RECOMPUTED_UNITS * unit * run.scan_unroll + recomputed_scores_per_token(run, s)
+
+
+def recomputed_scores_per_token(run: Workload, s: Share) -> float:
+    """Per token, what XLA:CPU's backward of a recomputed `xla` attention layer holds beyond the one
+    [heads, keys] fp32 probabilities its block counts: the probabilities recomputed, their gradient
+    and half a set more (of the zigzag's two query halves), 2.5 sets at the peak in all. Read off
+    XLA's buffers (a drawn `C` shape under `full`, `data 2 x tsp 4`: five half-sets of 2 MiB where
+    the model had 1.15 sets; the drawn CPU layouts within 10% 165 → 168 of 216). It decides the peak
+    where the keys outnumber the device's tokens: under TSP and sequence splits."""
+    if run.flash_attention or "C" not in run.cfg.layer_kinds:
+        return 0.0
+    return RECOMPUTED_SCORES * s.heads * s.keys * F32
 
 
 def scan_iterations(run: Workload) -> int:
