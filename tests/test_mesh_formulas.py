@@ -166,7 +166,7 @@ def test_cpu_ragged_dot_operands_are_priced_for_the_xla_grouped_matmul_on_a_cpu_
         assert memory.cpu_kernel_bytes(r, sizes, share(r, sizes)) == 0
 
 
-def test_a_hybrid_unit_of_several_layers_keeps_copies_of_its_expert_weights_only_without_remat():
+def test_an_iteration_of_several_layers_keeps_copies_of_its_expert_weights_only_without_remat():
     sizes = mesh_sizes(data=8)
     hybrid = TINY.replace(num_hidden_layers=4, layer_pattern="LC")
     experts_by_hand = 3 * 4 * 64 * 32 * 4  # gate, up, down of one layer's 4 experts, fp32
@@ -174,6 +174,9 @@ def test_a_hybrid_unit_of_several_layers_keeps_copies_of_its_expert_weights_only
     assert copies == 4 * memory.expert_weights(run(hybrid), sizes) and copies > 4 * experts_by_hand
     assert memory.stored_weight_bytes(run(hybrid, remat="full"), sizes) == 0
     assert memory.stored_weight_bytes(run(TINY.replace(num_hidden_layers=4)), sizes) == 0  # one layer per unit
+    unrolled = dataclasses.replace(run(TINY.replace(num_hidden_layers=4)), scan_unroll=2)  # two an iteration
+    assert memory.stored_weight_bytes(unrolled, sizes) == copies
+    assert memory.stored_weight_bytes(dataclasses.replace(unrolled, remat="dots"), sizes) == 0
 
 
 def test_a_one_iteration_layer_scan_holds_half_a_block_unless_it_unrolls_several():
@@ -534,3 +537,14 @@ def test_collectives_hide_behind_compute_on_a_gpu_and_not_on_a_cpu():
         t = step_time.predict(r, sizes, Network(hw))
         whole = sum(tr.calls * Network(hw).time(tr.op, tr.nbytes, tr.span) for tr in step_time.transfers(r, sizes))
         assert (sum(t.exposed_comm_s.values()) < whole) == hidden, hw.name
+
+
+def test_a_cca_layer_split_along_the_sequence_keeps_its_input_with_the_look_back_rows():
+    """Under tsp or sequence chunks the layer's input, the previous chunk's look-back rows in front,
+    is kept in three copies (two beyond the normed copy every layer keeps): 2·H per token in the
+    compute dtype; none where the sequence is whole, however the batch splits."""
+    cpu = run(TINY, hw=hardware.profile("cpu"))
+    for split in (mesh_sizes(sequence=2), mesh_sizes(tsp=2, data=4)):
+        assert memory.attention_bytes(cpu, share(cpu, split))["look_back_input"] == 2 * 64 * 4
+    for whole in (mesh_sizes(data=8), mesh_sizes(fsdp=4, tensor=2)):
+        assert "look_back_input" not in memory.attention_bytes(cpu, share(cpu, whole))

@@ -90,6 +90,7 @@ class Share:
     keys: int  # keys each local query attends over (the whole sequence with sequence chunks)
     dispatch: int  # tokens gathered per local token for the experts (expert axis size)
     rows: float  # sequences of the micro-batch on this device (whole, or its chunks of each)
+    chunks: int = 1  # pieces each sequence is split into along its length (tsp × sequence)
 
 
 def pattern_units(cfg: ModelConfig) -> int:
@@ -104,7 +105,8 @@ def share(run: Workload, sizes: dict[str, int]) -> Share:
     return Share(tokens=run.micro_batch * run.seq_len / split, heads=cfg.num_attention_heads // t,
                  kv_heads=cfg.num_key_value_heads // t, expert_width=cfg.moe_intermediate_size / t,
                  keys=run.seq_len, dispatch=sizes["expert"],
-                 rows=run.micro_batch / math.prod(sizes[a] for a in BATCH_AXES))
+                 rows=run.micro_batch / math.prod(sizes[a] for a in BATCH_AXES),
+                 chunks=math.prod(sizes[a] for a in SEQUENCE_AXES))
 
 
 def lasp2_chunks(run: Workload, sizes: dict[str, int]) -> int:
