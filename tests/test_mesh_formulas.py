@@ -176,7 +176,8 @@ def test_an_iteration_of_several_layers_keeps_copies_of_its_expert_weights_only_
     assert memory.stored_weight_bytes(run(TINY.replace(num_hidden_layers=4)), sizes) == 0  # one layer per unit
     unrolled = dataclasses.replace(run(TINY.replace(num_hidden_layers=4)), scan_unroll=2)  # two an iteration
     assert memory.stored_weight_bytes(unrolled, sizes) == copies
-    assert memory.stored_weight_bytes(dataclasses.replace(unrolled, remat="dots"), sizes) == 0
+    assert memory.stored_weight_bytes(dataclasses.replace(unrolled, remat="dots"), sizes) == copies  # kept anyway
+    assert memory.stored_weight_bytes(dataclasses.replace(unrolled, scan_unroll=1, remat="dots"), sizes) == 0
 
 
 def test_a_one_iteration_layer_scan_holds_half_a_block_unless_it_unrolls_several():

@@ -377,12 +377,16 @@ def stored_weight_bytes(run: Workload, sizes: dict[str, int]) -> float:
     """Copies of every layer's expert and router weights kept for the backward without remat, where
     one iteration of the layer scan runs several layers (a hybrid pattern's unit, or units unrolled:
     `train.scan_unroll`): the body takes each layer's weights out of its rows, and the slice is saved
-    (`model/layer_stack.py`; with one layer an iteration the backward reads the stack itself; every
-    remat policy recomputes the slice). Unrolled, XLA:CPU keeps more: the forward's gathered and
-    fused copies (seed 125, three `C` layers an iteration without remat: 1.42 → 1.13 of XLA's total
-    to the model under `fsdp 2 x tensor 2 x sequence 2`; 2.3 → 1.9 under TSP, whose ring slices it
-    keeps too)."""
-    if run.remat != "none" or _layers_an_iteration(run) == 1:
+    (`model/layer_stack.py`; with one layer an iteration the backward reads the stack itself; a
+    remat policy recomputes the slice of a hybrid unit). Unrolled, XLA:CPU keeps the forward's
+    gathered and fused copies of every layer's expert weights, under every policy (the experts'
+    own checkpoint, `model/remat.without_weight_copies`, does not stop it once the iteration's
+    layers are one straight-line computation; found, not fixed): seed 125, three `C` layers an
+    iteration without remat, 1.42 → 1.13 of XLA's total to the model under `fsdp 2 x tensor 2 x
+    sequence 2` (2.3 → 1.9 under TSP, whose ring slices it keeps too); seeds 129–130 under `dots`,
+    1.16–1.39 → 0.93–1.03; four over-predicted layouts of seeds 106–118 fall from 0.89–0.94 to
+    0.81–0.90."""
+    if _layers_an_iteration(run) == 1 or (run.remat != "none" and run.scan_unroll == 1):
         return 0.0
     return run.cfg.num_hidden_layers * expert_weights(run, sizes)
 
