@@ -200,6 +200,10 @@ def test_a_one_iteration_layer_scan_holds_half_a_block_unless_it_unrolls_several
     one_unit = memory.working_set_per_token(recomputed, s) - scores
     two_units = memory.working_set_per_token(dataclasses.replace(recomputed, scan_unroll=2), s) - scores
     assert two_units == pytest.approx(2 * one_unit) and one_unit == pytest.approx(memory.CPU_RECOMPUTED_UNITS * block)
+    # Under `moe` the MoE's named tensors are kept, not recomputed: out of the recomputed block.
+    named = dataclasses.replace(looped, remat="moe")
+    assert memory.working_set_per_token(named, s) - scores == pytest.approx(
+        memory.CPU_RECOMPUTED_UNITS * (block - memory.moe_saved_bytes(named, s)))
 
 
 def test_a_recomputed_xla_attention_holds_its_probabilities_and_their_gradient_on_a_cpu():
