@@ -546,10 +546,12 @@ def test_collectives_hide_behind_compute_on_a_gpu_and_not_on_a_cpu():
 
 def test_a_cca_layer_split_along_the_sequence_keeps_its_input_with_the_look_back_rows():
     """Under tsp or sequence chunks the layer's input, the previous chunk's look-back rows in front,
-    is kept in three copies (two beyond the normed copy every layer keeps): 2·H per token in the
-    compute dtype; none where the sequence is whole, however the batch splits."""
+    is kept in three copies on XLA:CPU (two beyond the normed copy every layer keeps): 2·H per token
+    in the compute dtype; none where the sequence is whole, however the batch splits."""
     cpu = run(TINY, hw=hardware.profile("cpu"))
     for split in (mesh_sizes(sequence=2), mesh_sizes(tsp=2, data=4)):
         assert memory.attention_bytes(cpu, share(cpu, split))["look_back_input"] == 2 * 64 * 4
     for whole in (mesh_sizes(data=8), mesh_sizes(fsdp=4, tensor=2)):
         assert "look_back_input" not in memory.attention_bytes(cpu, share(cpu, whole))
+    gpu = run(TINY, hw=H100)  # read off XLA:CPU's buffers only
+    assert "look_back_input" not in memory.attention_bytes(gpu, share(gpu, mesh_sizes(sequence=2)))

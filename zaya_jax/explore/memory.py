@@ -126,12 +126,12 @@ def attention_bytes(run: Workload, s: Share) -> dict[str, float]:
     }
     if not run.flash_attention:  # the xla/reference backends keep the fp32 probabilities, every key
         parts["scores"] = s.heads * s.keys * F32
-    if s.chunks > 1:
+    if s.chunks > 1 and run.hw.target == "cpu":
         # Split along the sequence, the layer runs on its input with the previous chunk's look-back
         # rows in front (`parallel/attention_schedule.py`) and keeps that [look-back ‖ chunk, H] in
         # three copies where the unsplit layer keeps its normed input (seed 57 under `tensor 4 x
         # sequence 2`, no remat: three per layer in the forward's stack; drawn CPU layouts within
-        # 10% 168 → 171 of 216).
+        # 10% 168 → 171 of 216). XLA:CPU's: the deviceless H100 sets lose 4 of 72 layouts with it.
         parts["look_back_input"] = 2 * cfg.hidden_size * b
     return parts
 
