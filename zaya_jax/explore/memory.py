@@ -27,8 +27,8 @@ probabilities in a second layout (`unrolled_probabilities`). Added on top: the s
 (FSDP's gathered dense layer, TSP's gathered attention bucket and ring slices, of
 every layer of the pattern's unit at once on XLA:CPU (`ring_layers`), the K/V or the linear
 layers' memory states gathered along the sequence), copies of every layer's
-expert weights where a hybrid pattern's unit holds several layers without remat
-(`stored_weight_bytes`), XLA:CPU's masked operands of `ragged_dot` on a CPU
+expert weights where an iteration of the layer scan runs several layers (a hybrid unit without
+remat, unrolled units under any policy: `stored_weight_bytes`), XLA:CPU's masked operands of `ragged_dot` on a CPU
 device (`cpu_kernel_bytes`, no GPU has them) and the step's input arrays. The loss is a second
 candidate peak, between the last block's forward and the first block's backward: what the blocks
 keep, the chunked loss ([tokens, chunk] fp32 logits, probabilities and their gradient, plus the fp32
