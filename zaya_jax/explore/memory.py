@@ -317,8 +317,7 @@ def gathered_per_layer(run: Workload, sizes: dict[str, int], s: Share, kind: str
 
 def gathered_kv_bytes(run: Workload, sizes: dict[str, int], s: Share) -> float:
     """One layer's K and V gathered along the sequence (tsp and sequence chunks); 0 unsplit."""
-    chunks = sizes["tsp"] * sizes["sequence"]
-    return s.tokens * chunks * 2 * s.kv_heads * run.cfg.head_dim * run.compute_bytes if chunks > 1 else 0.0
+    return s.tokens * s.chunks * 2 * s.kv_heads * run.cfg.head_dim * run.compute_bytes if s.chunks > 1 else 0.0
 
 
 def embedding_bytes(run: Workload, sizes: dict[str, int], gathered_over: tuple[str, ...] = ()) -> float:
@@ -348,7 +347,7 @@ def schedule_bytes(run: Workload, sizes: dict[str, int], s: Share) -> dict[str, 
         out["gathered_weights"] = 2 * dense
     if sizes["tsp"] > 1:  # the slice in use and the one arriving, cast to the compute dtype first
         out["ring_slices"] = 2 * ring_layers(run, sizes) * expert_weights(run, sizes, parts=("experts",)) * run.compute_bytes / F32
-    if sizes["tsp"] * sizes["sequence"] > 1:
+    if s.chunks > 1:
         if "C" in kinds:
             out["gathered_kv"] = 2 * gathered_kv_bytes(run, sizes, s)  # the gathered K/V and their gradient
         if "L" in kinds:
