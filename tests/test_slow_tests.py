@@ -54,3 +54,16 @@ def test_several_logs_give_each_test_its_longest_time(tmp_path, monkeypatch):
     # c::one now takes 9 s (its longest), so c::two (3 s) is c's quick test; a::quick, b::only (4 s)
     # and c::two sum to 8 s, and c::one no longer fits the 12 s budget.
     assert out.read_text().splitlines()[1:] == ["tests/test_a.py::test_slow", "tests/test_c.py::test_one"]
+
+
+def test_a_test_no_log_timed_keeps_its_tier(tmp_path, monkeypatch):
+    out = tmp_path / "slow_tests.txt"
+    out.write_text("# listed\ntests/test_a.py::test_slow\ntests/test_d.py::test_untimed\n")
+    quick_log = tmp_path / "quick.log"  # a quick tier's log: test_a.py::test_slow did not run
+    quick_log.write_text("\n".join(line for line in LOG.splitlines() if "test_slow" not in line))
+    monkeypatch.setattr(slow_tests, "OUT", str(out))
+    assert slow_tests.main([str(quick_log), "--budget", "8"]) == 0
+    # a::quick, b::only and c::one (8 s) are each file's fastest; c::two no longer fits; the two
+    # listed tests no log timed stay slow.
+    assert out.read_text().splitlines()[1:] == ["tests/test_a.py::test_slow", "tests/test_c.py::test_two",
+                                                "tests/test_d.py::test_untimed"]

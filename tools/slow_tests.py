@@ -12,7 +12,8 @@ every test file (so it still touches every module), then the fastest of the rest
 summed time stays within `--budget` seconds (two workers share it, so the tier takes about half
 of it, plus start-up). `tests/conftest.py` marks every test listed in the file `slow`, like the
 tests that carry the mark in their source; `-m "not slow"` then runs the quick tier. A new test
-is quick until the list is made again.
+is quick until the list is made again. A test no log timed keeps its tier: a log of the quick tier
+alone (say on jax 0.12) re-chooses the quick tier and leaves the slow one as listed.
 """
 
 from __future__ import annotations
@@ -54,6 +55,14 @@ def quick_tier(times: dict[str, float], budget: float) -> set[str]:
     return quick
 
 
+def listed_slow() -> set[str]:
+    """The tests `OUT` lists now."""
+    if not os.path.exists(OUT):
+        return set()
+    with open(OUT) as f:
+        return {line.strip() for line in f if line.strip() and not line.startswith("#")}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("logs", nargs="+", metavar="log", help="the output of a `pytest --durations=0` run")
@@ -70,14 +79,15 @@ def main(argv: list[str] | None = None) -> int:
         for node, seconds in measured.items():
             times[node] = max(seconds, times.get(node, 0.0))
     quick = quick_tier(times, args.budget)
-    slow = sorted(set(times) - quick)
+    untimed = listed_slow() - set(times)  # no log ran them: they stay slow
+    slow = sorted((set(times) - quick) | untimed)
     with open(OUT, "w") as f:
         f.write("# Tests the quick tier leaves out (marked slow by tests/conftest.py); made by tools/slow_tests.py.\n")
         f.writelines(node + "\n" for node in slow)
-    quick_s, slow_s = sum(times[n] for n in quick), sum(times[n] for n in slow)
+    quick_s, slow_s = sum(times[n] for n in quick), sum(times.get(n, 0.0) for n in slow)
     print(f"{'tier':<6} {'tests':>6} {'seconds':>9}")
     print(f"{'quick':<6} {len(quick):>6} {quick_s:>9.0f}")
-    print(f"{'slow':<6} {len(slow):>6} {slow_s:>9.0f}")
+    print(f"{'slow':<6} {len(slow):>6} {slow_s:>9.0f}  ({len(untimed)} untimed, kept slow)")
     print(f"wrote {os.path.relpath(OUT, ROOT)}")
     return 0
 
