@@ -239,8 +239,11 @@ def _markdown(rows: list[dict], jax_version: str, where: str = "8 fake CPU devic
              f"{min(ratios):.2f}–{max(ratios):.2f}, within 10%: {sum(abs(x - 1) <= 0.1 for x in ratios)}.", "",
              "| seed | shape | layout | predicted MiB | XLA MiB | XLA / predicted | largest misses (XLA − predicted, MiB) |",
              "|---:|---|---|---:|---:|---:|---|"]
+    again = sorted({r["recompiled"] for r in rows if r.get("recompiled")})
+    if again:  # rows whose program changed after the run: compiled again and predicted by the model then
+        lines[3:3] = ["", f"Marked *: compiled again, {'; '.join(again)}, and predicted by the model of then."]
     for r in rows:
-        lines.append(f"| {r['seed']} | {_shape(r['overrides'])} | {r['layout']} | "
+        lines.append(f"| {r['seed']}{'*' if r.get('recompiled') else ''} | {_shape(r['overrides'])} | {r['layout']} | "
                      f"{sum(r['predicted'].values()) / MIB:.1f} | {sum(r['xla'].values()) / MIB:.1f} | "
                      f"{r['ratio']:.2f} | {_largest_misses(r)} |")
     return "\n".join(lines) + "\n"

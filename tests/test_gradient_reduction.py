@@ -4,6 +4,7 @@ gradients themselves (not only what Muon/AdamW make of them) equal to one device
 
 import functools
 import math
+import re
 
 import jax
 import jax.numpy as jnp
@@ -47,6 +48,19 @@ def test_gradients_are_reduced_over_data_once_per_step_whatever_the_micro_batch_
     two, four = _over_data(_program(2, **mesh)), _over_data(_program(4, **mesh))
     assert two == four  # the same reductions, not twice as many
     assert {runs for _, _, runs in four} == {1}  # none inside the micro-batch loop
+
+
+def test_a_one_iteration_layer_scan_copies_no_weights_outside_the_micro_batch_loop():
+    """What the forward makes from the weights alone (the experts' gathered and fused weights) is
+    loop-invariant in the micro-batch loop; where the layer scan is one iteration (no loop of its
+    own) XLA's loop-invariant code motion lifted it out and held every layer's copy through the
+    whole step. The weights pass a barrier with each micro-batch (`train/step.py`)."""
+    program = _program(2, "--config.train.scan_unroll=2", fsdp=2)  # two layers: one scan iteration
+    hlo = program.compile_train_step()[0].as_text()
+    entry = hlo[hlo.index("\nENTRY"):]
+    entry = entry[:entry.index("\n}\n")]  # the step's own computation, outside every loop
+    lifted = [line.split(" = ")[0].strip() for line in entry.splitlines() if re.search(r'op_name="[^"]*jvp\([^"]*/experts/', line)]
+    assert "while(" in entry and not lifted, lifted
 
 
 def test_zero1_reduce_scatters_each_split_gradient_onto_its_optimizer_shard():
