@@ -12,8 +12,9 @@ every test file (so it still touches every module), then the fastest of the rest
 summed time stays within `--budget` seconds (two workers share it, so the tier takes about half
 of it, plus about 45 s of start-up and uneven shares). `tests/conftest.py` marks every test
 listed in the file `slow`, like the tests that carry the mark in their source; `-m "not slow"`
-then runs the quick tier. A new test is quick until the list is made again. A test no log timed keeps its tier: a log of the quick tier
-alone (say on jax 0.12) re-chooses the quick tier and leaves the slow one as listed.
+then runs the quick tier. A new test is quick until the list is made again. A test no log timed
+keeps its tier: a log of the quick tier alone (say on jax 0.12) re-chooses the quick tier and
+leaves the slow one as listed.
 """
 
 from __future__ import annotations

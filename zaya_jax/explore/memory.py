@@ -382,15 +382,15 @@ def stored_weight_bytes(run: Workload, sizes: dict[str, int]) -> float:
     of the layer scan runs several layers. A hybrid pattern's unit without remat, in a scan that
     loops: the body takes each layer's weights out of its rows and the slice is saved (with one
     layer an iteration the backward reads the stack itself; so does XLA:CPU's where the unit is the
-    whole scan, which it inlines: seeds 17, 45, 75, 113, 114 and 152, eleven layouts 0.82-0.93 ->
-    0.85-1.02, while an H200's build keeps them there too: seeds 29 and 45, 1.12-1.21 without them;
+    whole scan, which it inlines: seeds 17, 45, 75, 113, 114 and 152, eleven layouts 0.82–0.93 →
+    0.85–1.02, while an H200's build keeps them there too: seeds 29 and 45, 1.12–1.21 without them;
     a remat policy recomputes the slice). Units unrolled (`train.scan_unroll`): XLA:CPU
     keeps the forward's gathered and fused copies of every layer's expert weights, under every
-    policy (seed 125, three `C` layers an iteration without remat, 1.42 -> 1.13 of XLA's total to the
-    model under `fsdp 2 x tensor 2 x sequence 2` when it was priced; seeds 129-130 under `dots`,
-    1.16-1.39 -> 0.93-1.03)."""
-    loops_with_slices = run.remat == "none" and (scan_iterations(run) > 1 or run.hw.target != "cpu")
-    if _layers_an_iteration(run) == 1 or not (run.scan_unroll > 1 or loops_with_slices):
+    policy (seed 125, three `C` layers an iteration without remat, 1.42 → 1.13 of XLA's total to the
+    model under `fsdp 2 x tensor 2 x sequence 2` when it was priced; seeds 129–130 under `dots`,
+    1.16–1.39 → 0.93–1.03)."""
+    slices_saved = run.remat == "none" and (scan_iterations(run) > 1 or run.hw.target != "cpu")
+    if _layers_an_iteration(run) == 1 or not (run.scan_unroll > 1 or slices_saved):
         return 0.0
     return run.cfg.num_hidden_layers * expert_weights(run, sizes)
 

@@ -81,7 +81,7 @@ def accumulate_gradients(modeldef, params, biases, batches, cfg: StepConfig):
         # otherwise lift what the forward makes from the weights alone out of this loop and hold it
         # through the whole step (where the layer scan is one iteration, every layer's gathered,
         # cast and fused expert weights: a drawn 3-layer shape on fsdp 2 x tsp 2 x sequence 2, two
-        # micro-batches, 157 -> 101 MiB a device).
+        # micro-batches, 157 -> 103 MiB a device).
         weights, micro = jax.lax.optimization_barrier((params, micro))
         (loss, (ntok, routes)), grads = grad_fn(weights, micro)
         g_sum, l_sum, n_sum, r_sum = carry
