@@ -172,3 +172,40 @@ def test_a_layer_scan_of_one_iteration_compiles_to_no_loop(pattern, layers, loop
     # Loops run as many times as the scan has units (XLA:CPU's element loops run 24, the tokens)
     trips = [int(n) for n in re.findall(r'while\(.*"known_trip_count":\{"n":"(\d+)"', hlo)]
     assert trips.count(layers // len(pattern)) == loops, trips
+
+
+@pytest.mark.parametrize("pattern", ["C", "LC"])
+def test_dots_keeps_what_the_explorer_prices_and_recomputes_the_experts(pattern):
+    """`dots` saves the outputs of `dot_general`s without batch dimensions and the scan's carry (each
+    block's input); the experts' grouped matmul is another primitive (`ragged_dot` or a kernel), so
+    their gate/up and down outputs are made again in the backward. `moe` names and keeps them (the
+    check that they would be seen). The explorer's `dots` bytes are what the layer scan saves, to the
+    byte (seeds 56, 69, 87 and 150 on 8 fake CPUs: 0.84–0.88 of the prediction while it kept the
+    experts' outputs)."""
+    from zaya_jax import hardware
+    from zaya_jax.explore import memory
+    from zaya_jax.explore.workload import Workload, share
+    from meshes import mesh_sizes
+
+    cfg = CFG.replace(num_hidden_layers=4, layer_pattern=pattern, moe_intermediate_size=48, moe_kernel="xla",
+                      attention_kernel="xla", linear_kernel="xla")  # 48 and 96 are no other width here
+    graphdef, params, rest = nnx.split(model(cfg), nnx.Param, ...)
+
+    def saved(remat):
+        def loss(params):
+            return jnp.sum(nnx.merge(graphdef, params, rest).hidden_states(IDS, remat=remat)[0] ** 2)
+
+        return [shape for shape, why in _saved_residuals(loss, params) if "output of scan" in why]
+
+    def expert_outputs(shapes):
+        return [shape for shape in shapes if re.search(r",(48|96)\]$", shape)]
+
+    assert expert_outputs(saved("moe")) and not expert_outputs(saved("dots"))
+    dims = [[int(n) for n in shape[4:-1].split(",")] for shape in saved("dots")]
+    assert all(shape.startswith("f32[") for shape in saved("dots"))
+    kept = sum(4 * np.prod(d) for d in dims if len(d) >= 4)  # stacked [units, B, S, ...]: not the last carry
+    run = Workload(cfg, IDS.shape[1], IDS.shape[0], 1, "dots", hardware.profile("cpu"), 1, 1)
+    # The carry is saved once a unit; the explorer prices every layer's input, which the unit's
+    # recomputation holds (`memory.stored_per_token`)
+    extra_inputs = (cfg.num_hidden_layers - cfg.num_hidden_layers // len(pattern)) * memory.block_input_bytes(run)
+    assert kept / IDS.size == memory.stored_per_token(run, share(run, mesh_sizes())) - extra_inputs

@@ -225,3 +225,42 @@ def test_a_hybrid_unit_holds_every_layers_tsp_ring_on_xla_cpu(case):
     parts = memory.predict(run, sizes).parts
     assert memory.ring_layers(run, sizes) == layers
     assert ring == pytest.approx(parts["ring_slices"] + parts["block_weights"], rel=0.1)
+
+
+@pytest.mark.parametrize("layers", [1, 2])
+def test_a_layer_scan_of_one_iteration_keeps_none_of_the_peaking_layers_expert_activations(layers):
+    """XLA:CPU's `ragged_dot` backward builds its masked operands from the experts' kept sorted
+    rows and gate/up outputs. A one-iteration scan is inlined: those die once read, and at the peak
+    (inside the experts' backward) the layer keeps none of them. In a scan that loops they are rows
+    of the stack the loop carries to its end ([layers, rows, 2·I]), live at the peak. The explorer
+    takes them off only in the first case (`memory.consumed_by_cpu_kernel_per_token`)."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from flax import nnx
+
+    from zaya_jax.config import preset
+    from zaya_jax.explore import xla_terms
+    from zaya_jax.explore.workload import share
+    from zaya_jax.model import Zaya
+
+    cfg = preset("tiny", num_hidden_layers=layers, moe_kernel="xla", attention_kernel="xla", num_experts=8,
+                 moe_intermediate_size=96)
+    ids = jnp.asarray(np.random.RandomState(0).randint(0, cfg.vocab_size, (2, 256)))
+    graphdef, params, rest = nnx.split(Zaya(cfg, rngs=nnx.Rngs(0)), nnx.Param, ...)
+
+    def loss(params):
+        return jnp.sum(nnx.merge(graphdef, params, rest).hidden_states(ids, remat="none")[0] ** 2)
+
+    with xla_terms.dumping() as (options, read_peak):
+        jax.jit(jax.grad(loss)).lower(params).compile(options)
+        buffers = read_peak()
+    rows, gate_up = ids.size, 2 * cfg.moe_intermediate_size  # top-1: one row a token
+    assert any("grouped_matmul_xla" in b.op_name for b in buffers)  # the peak is in the experts' backward
+    kept = [b for b in buffers if "transpose(" not in b.op_name and "jvp(" in b.op_name
+            and b.shape.endswith(f"{rows},{gate_up}]")]
+    assert [b.shape for b in kept] == ([] if layers == 1 else [f"f32[{layers},{rows},{gate_up}]"])
+    run = Workload(cfg, 256, 2, 1, "none", hardware.profile("cpu"), 1, 1)
+    s = share(run, mesh_sizes())
+    consumed = memory.consumed_by_cpu_kernel_per_token(run, s)
+    assert consumed == (memory.moe_bytes(run, s)["experts"] if layers == 1 else 0.0)

@@ -11,7 +11,9 @@ widths) — summed over the layers of each kind, then scaled by the remat policy
   backward: not kept);
 * full: every block keeps its fp32 input and router state; one block at a time is recomputed
   (on XLA:CPU the pattern's whole unit at once: `working_set_per_token`);
-* dots: every block keeps its matmul outputs; the rest of one block is recomputed at a time.
+* dots: every block keeps its input and its plain matmuls' outputs (projections, the router's
+  MLP); the rest of one block is recomputed at a time, the experts too (their grouped matmul is
+  no `dot_general`);
 * moe: every block keeps its input and the MoE's sorted tokens and grouped-matmul outputs.
 
 The backward of the block being differentiated holds about as much again under a remat policy
@@ -29,7 +31,9 @@ every layer of the pattern's unit at once on XLA:CPU (`ring_layers`), the K/V or
 layers' memory states gathered along the sequence), copies of every layer's
 expert weights where an iteration of the layer scan runs several layers (a hybrid unit without
 remat, unrolled units under any policy: `stored_weight_bytes`), XLA:CPU's masked operands of `ragged_dot` on a CPU
-device (`cpu_kernel_bytes`, no GPU has them) and the step's input arrays. The loss is a second
+device (`cpu_kernel_bytes`, no GPU has them; made from the peaking layer's kept expert
+activations, which then die where the layer scan is no loop: `consumed_by_cpu_kernel_per_token`)
+and the step's input arrays. The loss is a second
 candidate peak, between the last block's forward and the first block's backward: what the blocks
 keep, the chunked loss ([tokens, chunk] fp32 logits, probabilities and their gradient, plus the fp32
 final hidden states), the gathered embedding and the head's gradient, but no block's working set and
@@ -180,15 +184,22 @@ def moe_bytes(run: Workload, s: Share) -> dict[str, float]:
 
 
 def matmul_outputs_bytes(run: Workload, s: Share, kind: str = "C") -> float:
-    """Per token, what the `dots` policy keeps of a block of this kind: the plain matmuls' outputs."""
+    """Per token, what the `dots` policy keeps of a block of this kind: the outputs of its plain
+    matmuls (`dot_general`s without batch dimensions). Not the experts': their grouped matmul is
+    `ragged_dot` or a kernel, which the policy does not save (`model/remat.py`), so the backward
+    makes them again. The router's: its three [R] projections and the class logits. Beside them the
+    policy keeps each block's input (`stored_per_token`). To the byte what JAX saves for a `C` layer
+    scan (`tests/test_layer_stack.py`). Over the drawn CPU sets 250 → 254 of 312 within 10% (seeds
+    56, 87 and 150 under expert splits, 0.84–0.86 → 0.98–1.04, where `dispatch`× rows of outputs
+    had been priced), deviceless H100s at ZAYA1-like widths 36 → 40 of 72."""
     cfg, b = run.cfg, run.compute_bytes
     qk = (s.heads + s.kv_heads) * cfg.head_dim
     if kind == "L":  # q, k, v in the compute dtype; the gate and Wo accumulate in fp32
         attention = (qk + s.kv_heads * cfg.head_dim) * b + s.heads * cfg.head_dim * F32 + cfg.hidden_size * F32
     else:
         attention = qk * b + s.kv_heads * cfg.head_dim * b + cfg.hidden_size * b
-    moe = 4 * cfg.router_hidden_size * F32 + s.dispatch * (2 * s.expert_width * b + cfg.hidden_size * F32)
-    return attention + moe
+    router = (3 * cfg.router_hidden_size + cfg.num_experts + 1) * F32  # down, fc1, fc2; the class logits
+    return attention + router
 
 
 def block_bytes_per_token(run: Workload, s: Share, kind: str = "C") -> float:
@@ -202,13 +213,16 @@ def largest_block_per_token(run: Workload, s: Share) -> float:
 
 def stored_per_token(run: Workload, s: Share) -> float:
     """Per token, what all blocks keep until the backward under the remat policy."""
-    layers = run.cfg.num_hidden_layers
+    # Each layer's input (JAX saves the scan's carry, one a unit; the unit's backward on both
+    # compilers holds the inputs of the layers it recomputes: seed 80's `CL` unit under `full` on
+    # deviceless H100s 1.23 → 1.32 of the prediction with one a unit)
+    inputs = run.cfg.num_hidden_layers * block_input_bytes(run)
     if run.remat == "full":
-        return layers * block_input_bytes(run)
+        return inputs
     if run.remat == "dots":
-        return over_layers(run, lambda kind: matmul_outputs_bytes(run, s, kind))
+        return inputs + over_layers(run, lambda kind: matmul_outputs_bytes(run, s, kind))
     if run.remat == "moe":
-        return layers * (block_input_bytes(run) + moe_saved_bytes(run, s))
+        return inputs + run.cfg.num_hidden_layers * moe_saved_bytes(run, s)
     return over_layers(run, lambda kind: block_bytes_per_token(run, s, kind)) + unrolled_probabilities(run, s)
 
 
@@ -433,6 +447,22 @@ def cpu_kernel_bytes(run: Workload, sizes: dict[str, int], s: Share) -> float:
     return local_experts * rows * per_row * F32
 
 
+def consumed_by_cpu_kernel_per_token(run: Workload, s: Share) -> float:
+    """Per token, what the layer whose backward peaks no longer keeps of its experts' activations on
+    XLA:CPU: in a layer scan that is no loop (one iteration, which XLA inlines) the masked operands
+    `ragged_dot`'s CPU form builds for the backward (`cpu_kernel_bytes`) are made from the kept
+    sorted rows and gate/up/down outputs, which then die. In a scan that loops they are slices of
+    the stacked buffer the loop carries to its end, and stay. Without remat (what `stored_per_token`
+    keeps of the experts; `dots` and `full` keep none); under `moe` XLA keeps the named ones (two
+    drawn TSP layouts 1.09–1.13 of the prediction without them). Of the drawn CPU layouts 7 more
+    within 10% (seed 97 under `expert 8`: 0.81 → 1.03 of XLA's total to the model), none fewer;
+    `tiny_cpu`'s 44 of 44 stay (0.95–1.08)."""
+    if (run.hw.target != "cpu" or run.backend("grouped_matmul", run.cfg.moe_kernel) != "xla"
+            or scan_iterations(run) > 1):
+        return 0.0
+    return moe_bytes(run, s)["experts"] if run.remat == "none" else 0.0
+
+
 def _layers_an_iteration(run: Workload) -> int:
     """Layers one iteration of the layer scan runs: the pattern's unit, `train.scan_unroll` times."""
     return len(repeating_unit(run.cfg.layer_kinds)) * run.scan_unroll
@@ -467,7 +497,7 @@ def predict(run: Workload, sizes: dict[str, int]) -> Memory:
     grads = state.scattered_grads if run.grad_accum == 1 else 2 * state.grads
     inputs = BATCH_FIELDS * 4 * run.grad_accum * s.tokens  # [A, b, S], split like the tokens
     backward = {
-        "stored_activations": s.tokens * stored_per_token(run, s),
+        "stored_activations": s.tokens * (stored_per_token(run, s) - consumed_by_cpu_kernel_per_token(run, s)),
         "stored_gathered": (over_layers(run, lambda kind: gathered_per_layer(run, sizes, s, kind))
                             if run.remat == "none" else 0.0),
         "block_working_set": s.tokens * working_set_per_token(run, s),
