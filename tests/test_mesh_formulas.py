@@ -198,7 +198,9 @@ def test_a_one_iteration_layer_scan_holds_half_a_block_unless_it_unrolls_several
     recomputed = dataclasses.replace(looped, remat="dots")
     scores = memory.recomputed_scores_per_token(recomputed, s)
     one_unit = memory.working_set_per_token(recomputed, s) - scores
-    two_units = memory.working_set_per_token(dataclasses.replace(recomputed, scan_unroll=2), s) - scores
+    doubled = dataclasses.replace(recomputed, scan_unroll=2)  # and each CCA layer's recomputed probabilities
+    assert memory.recomputed_scores_per_token(doubled, s) == 2 * scores
+    two_units = memory.working_set_per_token(doubled, s) - 2 * scores
     assert two_units == pytest.approx(2 * one_unit) and one_unit == pytest.approx(memory.CPU_RECOMPUTED_UNITS * block)
     # Under `moe` the MoE's named tensors are kept, not recomputed: out of the recomputed block.
     named = dataclasses.replace(looped, remat="moe")

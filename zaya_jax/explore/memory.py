@@ -284,10 +284,15 @@ def recomputed_scores_per_token(run: Workload, s: Share) -> float:
     and half a set more (of the zigzag's two query halves), 2.5 sets at the peak in all. Read off
     XLA's buffers (a drawn `C` shape under `full`, `data 2 x tsp 4`: five half-sets of 2 MiB where
     the model had 1.15 sets; the drawn CPU layouts within 10% 165 → 168 of 216). It decides the peak
-    where the keys outnumber the device's tokens: under TSP and sequence splits."""
+    where the keys outnumber the device's tokens: under TSP and sequence splits. Of every CCA layer
+    an iteration of the layer scan runs: XLA:CPU recomputes them all before the first one's backward
+    (seed 178, three `C` layers an unrolled iteration under `full`: 24 MiB of the three layers'
+    probabilities and their gradients at the peak; 1.14–1.18 → 0.95–0.99 of the prediction, +3 of
+    336 drawn CPU layouts, none fewer)."""
     if run.flash_attention or "C" not in run.cfg.layer_kinds:
         return 0.0
-    return RECOMPUTED_SCORES * s.heads * s.keys * F32
+    layers = repeating_unit(run.cfg.layer_kinds).count("C") * run.scan_unroll
+    return layers * RECOMPUTED_SCORES * s.heads * s.keys * F32
 
 
 def scan_iterations(run: Workload) -> int:
