@@ -200,9 +200,10 @@ def test_dots_keeps_what_the_explorer_prices_and_recomputes_the_experts(pattern)
     def expert_outputs(shapes):
         return [shape for shape in shapes if re.search(r",(48|96)\]$", shape)]
 
-    assert expert_outputs(saved("moe")) and not expert_outputs(saved("dots"))
-    dims = [[int(n) for n in shape[4:-1].split(",")] for shape in saved("dots")]
-    assert all(shape.startswith("f32[") for shape in saved("dots"))
+    dots = saved("dots")
+    assert expert_outputs(saved("moe")) and not expert_outputs(dots)
+    assert all(shape.startswith("f32[") for shape in dots)
+    dims = [[int(n) for n in shape[4:-1].split(",")] for shape in dots]
     kept = sum(4 * np.prod(d) for d in dims if len(d) >= 4)  # stacked [units, B, S, ...]: not the last carry
     run = Workload(cfg, IDS.shape[1], IDS.shape[0], 1, "dots", hardware.profile("cpu"), 1, 1)
     # The carry is saved once a unit; the explorer prices every layer's input, which the unit's

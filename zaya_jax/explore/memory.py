@@ -439,7 +439,7 @@ def cpu_kernel_bytes(run: Workload, sizes: dict[str, int], s: Share) -> float:
     over-counted by a quarter); with several, at narrow widths (tensor splits) another layer's
     masked inputs are live beside it, 4H + 2W (exactly on three drawn hybrid layouts; XLA 2–9% above
     it on four under `full`). No GPU kernel has them."""
-    if run.hw.target != "cpu" or run.backend("grouped_matmul", run.cfg.moe_kernel) != "xla":
+    if not _cpu_ragged_dot(run):
         return 0.0
     rows, local_experts = held_rows(run, sizes, s)
     h, w = run.cfg.hidden_size, s.expert_width / sizes["tsp"]
@@ -462,10 +462,14 @@ def consumed_by_cpu_kernel_per_token(run: Workload, s: Share) -> float:
     drawn TSP layouts 1.09–1.13 of the prediction without them). Of the drawn CPU layouts 7 more
     within 10% (seed 97 under `expert 8`: 0.81 → 1.03 of XLA's total to the model), none fewer;
     `tiny_cpu`'s 44 of 44 stay (0.95–1.08)."""
-    if (run.hw.target != "cpu" or run.backend("grouped_matmul", run.cfg.moe_kernel) != "xla"
-            or scan_iterations(run) > 1):
+    if not _cpu_ragged_dot(run) or scan_iterations(run) > 1:
         return 0.0
     return moe_bytes(run, s)["experts"] if run.remat == "none" else 0.0
+
+
+def _cpu_ragged_dot(run: Workload) -> bool:
+    """Whether the experts run XLA:CPU's form of `ragged_dot` (the `xla` grouped matmul on a CPU device)."""
+    return run.hw.target == "cpu" and run.backend("grouped_matmul", run.cfg.moe_kernel) == "xla"
 
 
 def _layers_an_iteration(run: Workload) -> int:
