@@ -227,13 +227,10 @@ def test_a_hybrid_unit_holds_every_layers_tsp_ring_on_xla_cpu(case):
     assert ring == pytest.approx(parts["ring_slices"] + parts["block_weights"], rel=0.1)
 
 
-@pytest.mark.parametrize("layers", [1, 2])
-def test_a_layer_scan_of_one_iteration_keeps_none_of_the_peaking_layers_expert_activations(layers):
-    """XLA:CPU's `ragged_dot` backward builds its masked operands from the experts' kept sorted
-    rows and gate/up outputs. A one-iteration scan is inlined: those die once read, and at the peak
-    (inside the experts' backward) the layer keeps none of them. In a scan that loops they are rows
-    of the stack the loop carries to its end ([layers, rows, 2·I]), live at the peak. The explorer
-    takes them off only in the first case (`memory.consumed_by_cpu_kernel_per_token`)."""
+def _peak_of_a_scanned_model(layers: int, ids_shape: tuple[int, int], **model):
+    """The buffers live at XLA:CPU's peak of the gradient of a tiny model's hidden states (no remat,
+    the `xla` attention and grouped matmul; `layers` layers in the layer scan, which loops with two
+    or more), and the model's config."""
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -241,12 +238,10 @@ def test_a_layer_scan_of_one_iteration_keeps_none_of_the_peaking_layers_expert_a
 
     from zaya_jax.config import preset
     from zaya_jax.explore import xla_terms
-    from zaya_jax.explore.workload import share
     from zaya_jax.model import Zaya
 
-    cfg = preset("tiny", num_hidden_layers=layers, moe_kernel="xla", attention_kernel="xla", num_experts=8,
-                 moe_intermediate_size=96)
-    ids = jnp.asarray(np.random.RandomState(0).randint(0, cfg.vocab_size, (2, 256)))
+    cfg = preset("tiny", num_hidden_layers=layers, moe_kernel="xla", attention_kernel="xla", **model)
+    ids = jnp.asarray(np.random.RandomState(0).randint(0, cfg.vocab_size, ids_shape))
     graphdef, params, rest = nnx.split(Zaya(cfg, rngs=nnx.Rngs(0)), nnx.Param, ...)
 
     def loss(params):
@@ -254,8 +249,20 @@ def test_a_layer_scan_of_one_iteration_keeps_none_of_the_peaking_layers_expert_a
 
     with xla_terms.dumping() as (options, read_peak):
         jax.jit(jax.grad(loss)).lower(params).compile(options)
-        buffers = read_peak()
-    rows, gate_up = ids.size, 2 * cfg.moe_intermediate_size  # top-1: one row a token
+        return read_peak(), cfg
+
+
+@pytest.mark.parametrize("layers", [1, 2])
+def test_a_layer_scan_of_one_iteration_keeps_none_of_the_peaking_layers_expert_activations(layers):
+    """XLA:CPU's `ragged_dot` backward builds its masked operands from the experts' kept sorted
+    rows and gate/up outputs. A one-iteration scan is inlined: those die once read, and at the peak
+    (inside the experts' backward) the layer keeps none of them. In a scan that loops they are rows
+    of the stack the loop carries to its end ([layers, rows, 2·I]), live at the peak. The explorer
+    takes them off only in the first case (`memory.consumed_by_cpu_kernel_per_token`)."""
+    from zaya_jax.explore.workload import share
+
+    buffers, cfg = _peak_of_a_scanned_model(layers, (2, 256), num_experts=8, moe_intermediate_size=96)
+    rows, gate_up = 2 * 256, 2 * cfg.moe_intermediate_size  # top-1: one row a token
     assert any("grouped_matmul_xla" in b.op_name for b in buffers)  # the peak is in the experts' backward
     kept = [b for b in buffers if "transpose(" not in b.op_name and "jvp(" in b.op_name
             and b.shape.endswith(f"{rows},{gate_up}]")]
@@ -264,3 +271,29 @@ def test_a_layer_scan_of_one_iteration_keeps_none_of_the_peaking_layers_expert_a
     s = share(run, mesh_sizes())
     consumed = memory.consumed_by_cpu_kernel_per_token(run, s)
     assert consumed == (memory.moe_bytes(run, s)["experts"] if layers == 1 else 0.0)
+
+
+@pytest.mark.parametrize("layers", [1, 2])
+def test_a_looping_layer_scan_copies_the_probabilities_its_backward_reads_out_of_the_stack(layers):
+    """Without remat a layer scan that loops keeps every layer's `xla` attention probabilities in
+    one stacked buffer; its backward copies the layer's out of it (a `dynamic_slice` the fusions
+    read) and lays them out again for the dV matmul: two fp32 [heads, keys] sets per token beside
+    the stack, already at the peak in the experts' backward, where the explorer prices 2.5 (the
+    block's one and `memory.backward_scores_per_token`'s 1.5). A scan of one iteration is inlined and
+    reads the kept probabilities in place: no copy, and the explorer adds none."""
+    from zaya_jax.explore.workload import share
+
+    batch, seq = 2, 256
+    buffers, cfg = _peak_of_a_scanned_model(layers, (batch, seq))
+    one_set = batch * cfg.num_attention_heads * seq * seq * 4  # the layer's fp32 probabilities, every key
+    copied = [b for b in buffers if "transpose(" in b.op_name and b.bytes == one_set]
+    sliced = [b for b in copied if "dynamic_slice" in b.op_name]
+    run = Workload(cfg, seq, batch, 1, "none", hardware.profile("cpu"), 1, 1)
+    s = share(run, mesh_sizes())
+    priced = memory.backward_scores_per_token(run, s) * s.tokens
+    if layers == 1:
+        assert sliced == [] and priced == 0.0
+    else:
+        assert len(sliced) == 1 and len(copied) == 2
+        assert priced == memory.BACKWARD_SCORES * one_set
+        assert len(copied) * one_set <= one_set + priced  # the block's set and the added ones cover them

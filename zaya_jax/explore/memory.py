@@ -19,7 +19,8 @@ widths) — summed over the layers of each kind, then scaled by the remat policy
 The backward of the block being differentiated holds about as much again under a remat policy
 (on a GPU the block recomputed and its gradients; on XLA:CPU every layer of the pattern's unit
 recomputed at once, and their gradients as they are made; without remat only the gradients, of one
-block, or on XLA:CPU of every layer of the unit, half that where the layer scan is one iteration:
+block, or on XLA:CPU of every layer of the unit, half that where the layer scan is one iteration
+and, where it loops, the attention probabilities copied out of the loop's stack:
 `working_set_per_token`), and for its experts one layer's weights twice in the compute dtype (as its
 input-gradient matmuls read them, gathered over fsdp, and their gradients before the reduction).
 With one micro-batch the gradients it fills are ZeRO-1's shards (XLA reduce-scatters each layer's
@@ -64,7 +65,7 @@ HEADROOM = 0.10
 # within it of the limit may not fit.
 UNDERESTIMATE = {"cpu": 1.26, "gpu": 1.25}
 CPU_RECOMPUTED_UNITS = 1.15  # XLA:CPU's backward under remat: the unit recomputed, and its gradients as made
-RECOMPUTED_SCORES = 1.5  # XLA:CPU's recomputed attention backward: probability sets beyond the block's one
+BACKWARD_SCORES = 1.5  # XLA:CPU's `xla` attention backward: probability sets beyond the block's one
 F32 = 4
 BATCH_FIELDS = 5  # the step's inputs: inputs, targets, segment_ids, positions, loss_mask (4 bytes a token)
 
@@ -251,7 +252,8 @@ def working_set_per_token(run: Workload, s: Share) -> float:
     scan: 0.35 blocks on the H100 build). Not when that iteration unrolls several units
     (`train.scan_unroll`, `tiny_cpu`'s four blocks): XLA:CPU holds a whole block's gradients
     there (`tiny_cpu` under `fsdp 8`: 4.7 MiB of working set against 3.3 priced with the half;
-    the 44-layout sweep 2 → 22 within 10%).
+    the 44-layout sweep 2 → 22 within 10%). Where the scan loops, the `xla` attention's backward
+    also copies its probabilities out of the loop's stack (`backward_scores_per_token`).
 
     Under a remat policy a GPU holds two blocks, the block recomputed and its activations'
     gradients, whatever the unit (a median 1.08 of them over 30 hybrid layouts; 0.73 of the unit's
@@ -261,7 +263,7 @@ def working_set_per_token(run: Workload, s: Share) -> float:
     `LC` under `dots` and `full`), of every unit an unrolled iteration runs (`train.scan_unroll`;
     drawn seeds 106 and 107 under `dots`, 2–3 units an iteration: 1.16–1.53 of XLA's total to the
     model with one unit, 1.01–1.28 with them), and the recomputed `xla` attention's probabilities
-    and their gradient (`recomputed_scores_per_token`). Under `moe` the MoE's named tensors are
+    and their gradient (`backward_scores_per_token`). Under `moe` the MoE's named tensors are
     the kept ones, not part of what is recomputed (over the drawn CPU sets 204 → 212 of 264 within
     10%: ten `moe` layouts XLA held 0.75–0.89 of, now 0.92–1.07; two TSP ones 1.07 → 1.10–1.13).
     Not measured on a GPU, whose rule stays two blocks."""
@@ -269,30 +271,46 @@ def working_set_per_token(run: Workload, s: Share) -> float:
     unit = sum(block_bytes_per_token(run, s, kind) for kind in repeating_unit(run.cfg.layer_kinds))
     cpu = run.hw.target == "cpu"
     if run.remat == "none":
-        held = unit if cpu else largest
-        return held / 2 if scan_iterations(run) == 1 and run.scan_unroll == 1 else held
+        if not cpu:
+            return largest
+        if scan_iterations(run) == 1 and run.scan_unroll == 1:
+            return unit / 2
+        return unit + backward_scores_per_token(run, s)
     if not cpu:
         return 2 * largest
     if run.remat == "moe":  # the MoE's named tensors are kept (`stored_per_token`), not recomputed
         unit -= len(repeating_unit(run.cfg.layer_kinds)) * moe_saved_bytes(run, s)
-    return CPU_RECOMPUTED_UNITS * unit * run.scan_unroll + recomputed_scores_per_token(run, s)
+    return CPU_RECOMPUTED_UNITS * unit * run.scan_unroll + backward_scores_per_token(run, s)
 
 
-def recomputed_scores_per_token(run: Workload, s: Share) -> float:
-    """Per token, what XLA:CPU's backward of a recomputed `xla` attention layer holds beyond the one
-    [heads, keys] fp32 probabilities its block counts: the probabilities recomputed, their gradient
-    and half a set more (of the zigzag's two query halves), 2.5 sets at the peak in all. Read off
-    XLA's buffers (a drawn `C` shape under `full`, `data 2 x tsp 4`: five half-sets of 2 MiB where
-    the model had 1.15 sets; the drawn CPU layouts within 10% 165 → 168 of 216). It decides the peak
-    where the keys outnumber the device's tokens: under TSP and sequence splits. Of every CCA layer
-    an iteration of the layer scan runs: XLA:CPU recomputes them all before the first one's backward
-    (seed 178, three `C` layers an unrolled iteration under `full`: 24 MiB of the three layers'
-    probabilities and their gradients at the peak; 1.14–1.18 → 0.95–0.99 of the prediction, +3 of
-    336 drawn CPU layouts, none fewer)."""
+def backward_scores_per_token(run: Workload, s: Share) -> float:
+    """Per token, the [heads, keys] fp32 probability sets XLA:CPU's backward of an `xla` attention
+    layer holds beyond the one its block counts: 1.5 more, 2.5 at the peak in all.
+
+    Under a remat policy: the probabilities recomputed, their gradient and half a set more (of the
+    zigzag's two query halves). Read off XLA's buffers (a drawn `C` shape under `full`, `data 2 x
+    tsp 4`: five half-sets of 2 MiB where the model had 1.15 sets; the drawn CPU layouts within 10%
+    165 → 168 of 216). Of every CCA layer an iteration of the layer scan runs: XLA:CPU recomputes
+    them all before the first one's backward (seed 178, three `C` layers an unrolled iteration under
+    `full`: 24 MiB of the three layers' probabilities and their gradients at the peak; 1.14–1.18 →
+    0.95–0.99 of the prediction, +3 of 336 drawn CPU layouts, none fewer).
+
+    Without remat, in a layer scan that loops: the layer's kept probabilities copied out of the
+    loop's stacked buffer (a slice the backward's fusions read), their gradient and the half set,
+    the same 2.5 sets (seed 46 under `data 2 x fsdp 2 x sequence 2`, two 64-query halves: two 1 MiB
+    slices, a 1 MiB broadcast and two 1 MiB gradients at the peak, where the block counts one set
+    of 2 MiB; seed 20 under `data 4 x expert 2`, unsplit, peaking in the experts' backward: the
+    slice and a second copy of it already made). A scan of one iteration is no loop: its backward
+    reads the kept buffers in place (`working_set_per_token`). Of the drawn CPU layouts 3 more
+    within 10% (seed 46's two sequence splits 1.11–1.12 → 1.00–1.01), none fewer.
+
+    It decides the peak where the keys outnumber the device's tokens: under TSP and sequence splits."""
     if run.flash_attention or "C" not in run.cfg.layer_kinds:
         return 0.0
+    if run.remat == "none" and scan_iterations(run) == 1:
+        return 0.0
     layers = repeating_unit(run.cfg.layer_kinds).count("C") * run.scan_unroll
-    return layers * RECOMPUTED_SCORES * s.heads * s.keys * F32
+    return layers * BACKWARD_SCORES * s.heads * s.keys * F32
 
 
 def scan_iterations(run: Workload) -> int:
