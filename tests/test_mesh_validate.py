@@ -198,33 +198,63 @@ RING_CASES = {  # drawn shapes 27 and 21 (the second with one unit too): the lay
 }
 
 
+@pytest.fixture(scope="module")
+def ring_case():
+    """`ring_case(name)`: (the explorer's workload, the mesh sizes, the compiled step's memory report
+    with every buffer at its peak) of a `RING_CASES` layout, compiled once for the module's tests."""
+    import jax
+
+    from zaya_jax.explore.against_xla import memory_report
+    from zaya_jax.train.program import build_program
+
+    compiled = {}
+
+    def get(case):
+        if case not in compiled:
+            overrides, sizes, _ = RING_CASES[case]
+            overrides = overrides + ["--config.model.max_position_embeddings=64", "--config.train.seq_len=64",
+                                     "--config.train.scan_unroll=1"]
+            mesh = [f"--config.mesh.{axis}={n}" for axis, n in sizes.items() if n > 1]
+            exp = load_experiment(TINY, compiled_overrides(overrides + mesh))
+            run = Workload.from_experiment(exp, hardware.profile("cpu"), 1, 8)
+            compiled[case] = run, sizes, memory_report(build_program(exp, jax.devices()[:8]), terms=True, largest=10_000)
+        return compiled[case]
+
+    return get
+
+
 @pytest.mark.parametrize("case", list(RING_CASES))
-def test_a_hybrid_unit_holds_every_layers_tsp_ring_on_xla_cpu(case):
+def test_a_hybrid_unit_holds_every_layers_tsp_ring_on_xla_cpu(case, ring_case):
     """A two-layer hybrid unit under TSP: at XLA:CPU's backward peak both layers' expert rings are
     live (the slices in use and arriving, the backward ring's gradient accumulators), under a remat
     policy (the unit recomputed together) and without one where the layer scan loops (each layer's
     first slices made early); with one unit and no remat, one layer's. The model's ring buffers
     (`ring_slices` and `block_weights`, `memory.ring_layers` of them) within 10% (measured: 1.00,
     1.00 and 1.08 of them), twice or once what one layer's would be."""
-    import jax
-
-    from zaya_jax.explore.against_xla import memory_report
-    from zaya_jax.train.program import build_program
-
-    overrides, sizes, layers = RING_CASES[case]
-    overrides = overrides + ["--config.model.max_position_embeddings=64", "--config.train.seq_len=64",
-                             "--config.train.scan_unroll=1"]
-    mesh = [f"--config.mesh.{axis}={n}" for axis, n in sizes.items() if n > 1]
-    exp = load_experiment(TINY, compiled_overrides(overrides + mesh))
-    run = Workload.from_experiment(exp, hardware.profile("cpu"), 1, 8)
-    report = memory_report(build_program(exp, jax.devices()[:8]), terms=True, largest=10_000)
+    run, sizes, report = ring_case(case)
     experts, hidden, width = run.cfg.num_experts, run.cfg.hidden_size, run.cfg.moe_intermediate_size // 2
     slices = {experts * hidden * 2 * width * 4, experts * width * hidden * 4}  # fp32 gate|up and down slices
     made = [(b, name) for b, _, _, name in report["largest_at_peak"] if "transpose(" in name]  # in the backward
     ring = sum(b for b, name in made if b in slices and "moe/experts" in name)
     parts = memory.predict(run, sizes).parts
-    assert memory.ring_layers(run, sizes) == layers
+    assert memory.ring_layers(run, sizes) == RING_CASES[case][2]
     assert ring == pytest.approx(parts["ring_slices"] + parts["block_weights"], rel=0.1)
+
+
+def test_a_looping_hybrid_unit_saves_the_expert_weight_rows_each_device_stores(ring_case):
+    """Without remat, a layer scan whose iteration runs a hybrid unit saves each layer's expert
+    weights for the backward as the body sliced them out of the stacked parameters: the rows the
+    device stores (4 of the 16 experts under fsdp 4, half the width under tsp 2), not the weights
+    gathered over fsdp that the matmuls read. `memory.stored_weight_bytes` prices those (with the
+    router's rows beside them), not the gathered layers (four times as many bytes here)."""
+    run, sizes, report = ring_case("CL none, fsdp 4 x tsp 2, 2 units")
+    layers, iterations = run.cfg.num_hidden_layers, 2
+    local, hidden, width = run.cfg.num_experts // sizes["fsdp"], run.cfg.hidden_size, run.cfg.moe_intermediate_size // 2
+    stacks = {f"f32[{iterations},{local},{hidden},{width}]", f"f32[{iterations},{local},{width},{hidden}]"}
+    saved = sum(b for b, shape, _, name in report["largest_at_peak"]
+                if shape in stacks and "transpose(" not in name and "dynamic_update_slice" in name)
+    assert saved == layers * 3 * local * hidden * width * 4  # gate, up and down of every layer, fp32
+    assert memory.stored_weight_bytes(run, sizes) == pytest.approx(saved, rel=0.05)
 
 
 def _peak_of_a_scanned_model(layers: int, ids_shape: tuple[int, int], **model):

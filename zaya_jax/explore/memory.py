@@ -392,10 +392,11 @@ def schedule_bytes(run: Workload, sizes: dict[str, int], s: Share) -> dict[str, 
     return out
 
 
-def expert_weights(run: Workload, sizes: dict[str, int], parts=("experts", "router")) -> float:
+def expert_weights(run: Workload, sizes: dict[str, int], parts=("experts", "router"), gathered=("fsdp",)) -> float:
     """One layer's expert and router weights (or those of `parts`) as its matmuls read them on a
-    device (gathered over fsdp; split over expert, TSP and tensor as stored)."""
-    return sum(inventory.local_bytes(g, sizes, ("fsdp",)) for g in inventory.block_groups(run.cfg)
+    device (gathered over fsdp; split over expert, TSP and tensor as stored), or with `gathered=()`
+    as the device stores them."""
+    return sum(inventory.local_bytes(g, sizes, gathered) for g in inventory.block_groups(run.cfg)
                if g.part in parts)
 
 
@@ -421,7 +422,10 @@ def stored_weight_bytes(run: Workload, sizes: dict[str, int]) -> float:
     layer an iteration the backward reads the stack itself; so does XLA:CPU's where the unit is the
     whole scan, which it inlines: seeds 17, 45, 75, 113, 114 and 152, eleven layouts 0.82–0.93 →
     0.85–1.02, while an H200's build keeps them there too: seeds 29 and 45, 1.12–1.21 without them;
-    a remat policy recomputes the slice). Units unrolled (`train.scan_unroll`): XLA:CPU
+    a remat policy recomputes the slice). The slice is of the rows the device stores, not gathered
+    over fsdp (seed 21, a `CL` unit under `fsdp 4 x tsp 2`: [iterations, 4 of 16 experts, H, W]
+    stacks; 0.85 → 0.97 of XLA's total to the model, four more layouts closer, one of 336 drawn CPU
+    layouts more within 10%). Units unrolled (`train.scan_unroll`): XLA:CPU
     keeps the forward's gathered and fused copies of every layer's expert weights, under every
     policy (seed 125, three `C` layers an iteration without remat, 1.42 → 1.13 of XLA's total to the
     model under `fsdp 2 x tensor 2 x sequence 2` when it was priced; seeds 129–130 under `dots`,
@@ -429,7 +433,7 @@ def stored_weight_bytes(run: Workload, sizes: dict[str, int]) -> float:
     slices_saved = run.remat == "none" and (scan_iterations(run) > 1 or run.hw.target != "cpu")
     if _layers_an_iteration(run) == 1 or not (run.scan_unroll > 1 or slices_saved):
         return 0.0
-    return run.cfg.num_hidden_layers * expert_weights(run, sizes)
+    return run.cfg.num_hidden_layers * expert_weights(run, sizes, gathered=("fsdp",) if run.scan_unroll > 1 else ())
 
 
 def held_rows(run: Workload, sizes: dict[str, int], s: Share) -> tuple[float, float]:
