@@ -257,6 +257,26 @@ def test_a_looping_hybrid_unit_saves_the_expert_weight_rows_each_device_stores(r
     assert memory.stored_weight_bytes(run, sizes) == pytest.approx(saved, rel=0.05)
 
 
+def test_a_tsp_ring_keeps_none_of_its_experts_activations_for_the_backward(ring_case):
+    """The TSP experts' ring saves only its tokens and its slices (`parallel/tsp_experts.py`'s
+    `custom_vjp`) and runs again in the backward: in a looping scan without remat the forward keeps
+    each layer's sorted rows and output ([iterations, rows, H], two a layer) and no gate, up or
+    activation output, whole or a slice's. Where a layer without the ring keeps a [layers, rows, 2·I]
+    stack (`test_a_layer_scan_of_one_iteration_keeps_none_of_the_peaking_layers_expert_activations`),
+    the explorer takes the ring's 3·I a row off what is stored (`memory.ring_recomputed_per_token`)."""
+    from zaya_jax.explore.workload import share
+
+    run, sizes, report = ring_case("CL none, fsdp 4 x tsp 2, 2 units")
+    s = share(run, sizes)
+    rows, hidden, width = int(s.tokens * s.dispatch), run.cfg.hidden_size, run.cfg.moe_intermediate_size
+    kept = [shape for _, shape, _, name in report["largest_at_peak"] if "transpose(" not in name and "jvp(" in name]
+    assert kept.count(f"f32[2,{rows},{hidden}]") == 2 * len(run.cfg.layer_pattern)  # rows and output, each layer
+    widths = {2 * width, width, 2 * width // sizes["tsp"], width // sizes["tsp"]}
+    assert not [shape for shape in kept if any(shape.endswith(f"{rows},{w}]") for w in widths)]
+    assert memory.ring_recomputed_per_token(run, s) == s.dispatch * 3 * width * run.compute_bytes
+    assert memory.ring_recomputed_per_token(run, share(run, dict(sizes, tsp=1))) == 0.0
+
+
 def _peak_of_a_scanned_model(layers: int, ids_shape: tuple[int, int], **model):
     """The buffers live at XLA:CPU's peak of the gradient of a tiny model's hidden states (no remat,
     the `xla` attention and grouped matmul; `layers` layers in the layer scan, which loops with two

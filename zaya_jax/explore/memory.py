@@ -8,7 +8,8 @@ widths) — summed over the layers of each kind, then scaled by the remat policy
 * none: every block keeps all its activations for the backward, the inputs of its matmuls
   included: TSP's gathered attention buckets and, along the sequence, a CCA layer's gathered K/V
   or a linear layer's gathered LASP-2 states (FSDP's gathered weights XLA gathers again in the
-  backward: not kept);
+  backward: not kept; nor, under TSP, the experts' gate and up outputs, which the ring recomputes:
+  `ring_recomputed_per_token`);
 * full: every block keeps its fp32 input and router state; one block at a time is recomputed
   (on XLA:CPU the pattern's whole unit at once: `working_set_per_token`);
 * dots: every block keeps its input and its plain matmuls' outputs (projections, the router's
@@ -224,7 +225,27 @@ def stored_per_token(run: Workload, s: Share) -> float:
         return inputs + over_layers(run, lambda kind: matmul_outputs_bytes(run, s, kind))
     if run.remat == "moe":
         return inputs + run.cfg.num_hidden_layers * moe_saved_bytes(run, s)
-    return over_layers(run, lambda kind: block_bytes_per_token(run, s, kind)) + unrolled_probabilities(run, s)
+    return (over_layers(run, lambda kind: block_bytes_per_token(run, s, kind)) + unrolled_probabilities(run, s)
+            - run.cfg.num_hidden_layers * ring_recomputed_per_token(run, s))
+
+
+def ring_recomputed_per_token(run: Workload, s: Share) -> float:
+    """Per token, what a block's experts do not keep under TSP: their gate, up and activation
+    outputs (`dispatch`× rows of 3W). The ring's `custom_vjp` saves only the tokens and the rank's
+    own slices and runs the ring again in the backward, recomputing them slice by slice
+    (`parallel/tsp_experts.py`), so no layer's are kept (seed 64 under `expert 2 x tsp 2 x
+    sequence 2`, no remat: the forward's stacks hold the sorted rows and the output, no
+    [layers, rows, 2·W] one). The backward holds them as it remakes them (`working_set_per_token`
+    keeps the whole block). Of the drawn CPU layouts without remat under TSP (median 0.93 of the
+    prediction) 5 more within 10% (seeds 15, 25, 64, 114, 158: 0.87–0.89 → 0.92–1.01), none fewer.
+    XLA:CPU's only for now: on 8 deviceless H100s the forward keeps none either (seed 25 under
+    `data 2 x expert 2 x tsp 2`: [2, rows, H] stacks only), but the backward holds the ring's
+    recomputed activations (four fp32 [rows, 2·I/D] buffers) beyond the one block the GPU's working
+    set prices, which the kept ones had stood in for: off there, seed 25 goes 0.99 → 1.21 and the
+    GPU sets lose 5 of 105 layouts."""
+    if s.ring == 1 or run.hw.target != "cpu":
+        return 0.0
+    return s.dispatch * 3 * s.expert_width * run.compute_bytes
 
 
 def unrolled_probabilities(run: Workload, s: Share) -> float:
@@ -484,9 +505,9 @@ def consumed_by_cpu_kernel_per_token(run: Workload, s: Share) -> float:
     drawn TSP layouts 1.09–1.13 of the prediction without them). Of the drawn CPU layouts 7 more
     within 10% (seed 97 under `expert 8`: 0.81 → 1.03 of XLA's total to the model), none fewer;
     `tiny_cpu`'s 44 of 44 stay (0.95–1.08)."""
-    if not _cpu_ragged_dot(run) or scan_iterations(run) > 1:
+    if not _cpu_ragged_dot(run) or scan_iterations(run) > 1 or run.remat != "none":
         return 0.0
-    return moe_bytes(run, s)["experts"] if run.remat == "none" else 0.0
+    return moe_bytes(run, s)["experts"] - ring_recomputed_per_token(run, s)  # what the layer kept
 
 
 def _cpu_ragged_dot(run: Workload) -> bool:

@@ -91,6 +91,7 @@ class Share:
     dispatch: int  # tokens gathered per local token for the experts (expert axis size)
     rows: float  # sequences of the micro-batch on this device (whole, or its chunks of each)
     chunks: int = 1  # pieces each sequence is split into along its length (tsp × sequence)
+    ring: int = 1  # slices of each expert's width circulating in the TSP experts' ring (tsp)
 
 
 def pattern_units(cfg: ModelConfig) -> int:
@@ -106,7 +107,7 @@ def share(run: Workload, sizes: dict[str, int]) -> Share:
                  kv_heads=cfg.num_key_value_heads // t, expert_width=cfg.moe_intermediate_size / t,
                  keys=run.seq_len, dispatch=sizes["expert"],
                  rows=run.micro_batch / math.prod(sizes[a] for a in BATCH_AXES),
-                 chunks=math.prod(sizes[a] for a in SEQUENCE_AXES))
+                 chunks=math.prod(sizes[a] for a in SEQUENCE_AXES), ring=sizes["tsp"])
 
 
 def lasp2_chunks(run: Workload, sizes: dict[str, int]) -> int:
