@@ -237,13 +237,17 @@ def ring_recomputed_per_token(run: Workload, s: Share) -> float:
     sequence 2`, no remat: the forward's stacks hold the sorted rows and the output, no
     [layers, rows, 2·W] one). The backward holds them as it remakes them (`working_set_per_token`
     keeps the whole block). Of the drawn CPU layouts without remat under TSP (median 0.93 of the
-    prediction) 5 more within 10% (seeds 15, 25, 64, 114, 158: 0.87–0.89 → 0.92–1.01), none fewer.
+    prediction) 4 more within 10% (seeds 15, 25, 64, 114: 0.87–0.89 → 0.94–1.01), none fewer. Not
+    where an iteration unrolls several layers (`train.scan_unroll`): XLA:CPU then remakes every
+    unrolled layer's ring activations before the first backward, as it recomputes their attention
+    (`tiny_cpu`, four layers an iteration: its 15 TSP layouts 1.04–1.21 of the prediction with them
+    off, and 44 of 44 within 10% with them kept).
     XLA:CPU's only for now: on 8 deviceless H100s the forward keeps none either (seed 25 under
     `data 2 x expert 2 x tsp 2`: [2, rows, H] stacks only), but the backward holds the ring's
     recomputed activations (four fp32 [rows, 2·I/D] buffers) beyond the one block the GPU's working
     set prices, which the kept ones had stood in for: off there, seed 25 goes 0.99 → 1.21 and the
     GPU sets lose 5 of 105 layouts."""
-    if s.ring == 1 or run.hw.target != "cpu":
+    if s.ring == 1 or run.hw.target != "cpu" or run.scan_unroll > 1:
         return 0.0
     return s.dispatch * 3 * s.expert_width * run.compute_bytes
 
