@@ -180,9 +180,14 @@ def moe_bytes(run: Workload, s: Share) -> dict[str, float]:
     return {
         "input": h * b,
         "router": 6 * r * F32 + 2 * (cfg.num_experts + 1) * F32,  # fp32 island: MLP and softmax
-        "experts": s.dispatch * (h * b + 3 * s.expert_width * b + h * F32),  # sorted rows, gate/up/act, out
+        "experts": s.dispatch * (h * b + expert_outputs_per_row(run, s) + h * F32),  # sorted rows, gate/up/act, out
         "merge": 2 * h * F32,
     }
+
+
+def expert_outputs_per_row(run: Workload, s: Share) -> float:
+    """Per row an expert sees, its gate, up and activation outputs in the compute dtype."""
+    return 3 * s.expert_width * run.compute_bytes
 
 
 def matmul_outputs_bytes(run: Workload, s: Share, kind: str = "C") -> float:
@@ -249,7 +254,7 @@ def ring_recomputed_per_token(run: Workload, s: Share) -> float:
     GPU sets lose 5 of 105 layouts."""
     if s.ring == 1 or run.hw.target != "cpu" or run.scan_unroll > 1:
         return 0.0
-    return s.dispatch * 3 * s.expert_width * run.compute_bytes
+    return s.dispatch * expert_outputs_per_row(run, s)
 
 
 def unrolled_probabilities(run: Workload, s: Share) -> float:
