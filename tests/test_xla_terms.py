@@ -218,3 +218,25 @@ def test_the_losss_backward_is_the_loss_under_its_callers_derivative():
     rebuilt = [b for b in buffers if "transpose(jvp(loss))" in b.op_name and b.shape == "f32[512,1024]"]
     assert rebuilt, [(b.shape, b.op_name) for b in buffers]
     assert terms["loss"] >= 512 * 1024 * 4
+
+
+def test_the_micro_batch_loops_running_gradient_sum_is_gradients_not_the_update():
+    """With two micro-batches the step carries a running sum of the gradients through its loop, made
+    under `train/step.py`'s `gradient_sum` scope, outside any derivative: at the peak it is a whole
+    fp32 set of the parameters' gradients, and a gradient, not the optimizer update's."""
+    from zaya_jax.experiment import load_experiment
+    from zaya_jax.train.program import build_program
+    from zaya_jax.train.step import GRADIENT_SUM_SCOPE
+
+    program = build_program(load_experiment(TINY, [*SMALL, "--config.train.grad_accum_steps=2", "--config.mesh.data=1"]),
+                            jax.devices()[:1])
+    with xla_terms.dumping() as (options, read_peak):
+        compiled, _ = program.compile_train_step_phases(options)
+        buffers = read_peak()
+    shapes = xla_terms._param_shapes(buffers)
+    summed = [b for b in buffers if GRADIENT_SUM_SCOPE in xla_terms._scopes(b.op_name)]
+    parameters = sum(b.bytes for b in buffers if b.op_name.startswith("state.params"))
+    assert sum(b.bytes for b in summed) >= 0.9 * parameters, [(b.shape, b.op_name) for b in summed]
+    assert {xla_terms.term_of(b, shapes) for b in summed} == {"gradients"}
+    terms = xla_terms.attribute(buffers, xla_terms.total_bytes(compiled))
+    assert terms["gradients"] >= sum(b.bytes for b in summed)

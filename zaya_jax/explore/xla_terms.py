@@ -7,8 +7,9 @@ bytes in place (`peak_buffers`: every assigned value, a loop's carried values in
 counted once). Each buffer live there goes to one term, by what made it (`term_of`, first match):
 
   parameters, optimizer, inputs  the step's arguments, by their names (`state.params[...]`, ...)
-  gradients           made by the backward (`transpose(...)` in its op name) or carried between
-                      micro-batches, with the shape of a parameter's shard (whole, or one layer's)
+  gradients           made by the backward (`transpose(...)` in its op name) with the shape of a
+                      parameter's shard (whole, or one layer's), or the micro-batch loop's running
+                      sum (`train/step.py`'s `gradient_sum` scope), carried between micro-batches
   loss                made under the loss's scope (its backward's too: `transpose(jvp(loss))`)
   schedule            a collective's result: gathered weights, K/V or states, routed tokens
   update              made outside the differentiated step: the optimizer and balancer update
@@ -36,6 +37,7 @@ import tempfile
 import jax
 
 from zaya_jax.errors import ZayaError
+from zaya_jax.train.step import GRADIENT_SUM_SCOPE
 
 TERMS = ("parameters", "gradients", "optimizer", "inputs", "stored_activations", "block_working_set", "loss",
          "schedule", "update", "kernel", "xla_copies", "fragmentation")
@@ -273,7 +275,7 @@ def term_of(b: Buffer, param_shapes: set[str]) -> str:
     if name.startswith("batches"):
         return "inputs"
     backward = "transpose(" in name
-    if b.shape in param_shapes and (backward or not name):
+    if (b.shape in param_shapes and (backward or not name)) or GRADIENT_SUM_SCOPE in _scopes(name):
         return "gradients"
     if _cpu_only_scope(name) and (_rank(b.shape) >= 3 or _RAGGED_MASK.search(name)):
         if backward and b.opcode == "dot":

@@ -25,6 +25,9 @@ from zaya_jax.train.loss import chunked_cross_entropy, token_scores
 from zaya_jax.train.flat_model import ModelDef
 
 BATCH_KEYS = ("inputs", "targets", "segment_ids", "positions", "loss_mask")
+# The named scope of the micro-batch loop's running gradient sum: its buffers are gradients, not
+# the update's, in XLA's memory attributed term by term (`explore/xla_terms.py`).
+GRADIENT_SUM_SCOPE = "gradient_sum"
 
 
 @dataclasses.dataclass
@@ -85,7 +88,9 @@ def accumulate_gradients(modeldef, params, biases, batches, cfg: StepConfig):
         weights, micro = jax.lax.optimization_barrier((params, micro))
         (loss, (ntok, routes)), grads = grad_fn(weights, micro)
         g_sum, l_sum, n_sum, r_sum = carry
-        return (jax.tree.map(jnp.add, g_sum, grads), l_sum + loss, n_sum + ntok, r_sum + routes), None
+        with jax.named_scope(GRADIENT_SUM_SCOPE):
+            g_sum = jax.tree.map(jnp.add, g_sum, grads)
+        return (g_sum, l_sum + loss, n_sum + ntok, r_sum + routes), None
 
     layers, classes = modeldef.cfg.num_hidden_layers, modeldef.cfg.num_experts + 1
     init = (jax.tree.map(jnp.zeros_like, params), jnp.float32(0), jnp.float32(0),
