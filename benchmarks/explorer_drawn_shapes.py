@@ -123,7 +123,7 @@ def main(argv=None) -> int:
 def _write(out: str, report: dict, quiet: bool = False) -> None:
     with open(out, "w", encoding="utf-8") as f:
         json.dump(report, f, indent=1)
-    markdown = _markdown(report["rows"], report["jax"], report["device"])
+    markdown = _markdown(report["rows"], report["jax"], report["device"], report.get("reattributed", ()))
     with open(os.path.splitext(out)[0] + ".md", "w", encoding="utf-8") as f:
         f.write(markdown)
     if not quiet:
@@ -231,7 +231,7 @@ def _largest_misses(row: dict, n: int = 3) -> str:
     return ", ".join(f"{t} {diffs[t] / MIB:+.1f}" for t in worst)
 
 
-def _markdown(rows: list[dict], jax_version: str, where: str = "8 fake CPU devices") -> str:
+def _markdown(rows: list[dict], jax_version: str, where: str = "8 fake CPU devices", reattributed=()) -> str:
     ratios = [r["ratio"] for r in rows]
     seeds = sorted({r["seed"] for r in rows})
     lines = [f"# The explorer's memory on drawn shapes ({where}, jax {jax_version})", "",
@@ -239,6 +239,8 @@ def _markdown(rows: list[dict], jax_version: str, where: str = "8 fake CPU devic
              f"{min(ratios):.2f}–{max(ratios):.2f}, within 10%: {sum(abs(x - 1) <= 0.1 for x in ratios)}.", "",
              "| seed | shape | layout | predicted MiB | XLA MiB | XLA / predicted | largest misses (XLA − predicted, MiB) |",
              "|---:|---|---|---:|---:|---:|---|"]
+    for note in reattributed:  # `tools/reattribute_drawn.py`: the same programs, XLA's totals unchanged
+        lines[3:3] = ["", f"Terms attributed again ({note}): the same programs, XLA's totals unchanged."]
     again = sorted({r["recompiled"] for r in rows if r.get("recompiled")})
     if again:  # rows whose program changed after the run: compiled again and predicted by the model then
         lines[3:3] = ["", f"Marked *: compiled again, {'; '.join(again)}, and predicted by the model of then."]

@@ -6,10 +6,12 @@ import glob
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 
 import pytest
+from xla_test_flags import xla_flags
 
 from zaya_jax import hardware
 from zaya_jax.experiment import load_experiment
@@ -100,3 +102,48 @@ def test_the_underestimate_the_explorer_warns_of_is_the_largest_measured_on_the_
             ratios = [row["ratio"] for row in drawn.repredicted(report)["rows"]]
             largest[compiler] = max(largest.get(compiler, 0.0), *ratios)
     assert {c: math.ceil(r * 100) / 100 for c, r in largest.items()} == memory.UNDERESTIMATE
+
+
+def _reattribute(*args) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, os.path.join(ROOT, "tools", "reattribute_drawn.py"), "--why=a test", *args],
+                          capture_output=True, text=True, cwd=ROOT, timeout=600,
+                          # The reports' own XLA flags: the tests' would compile other buffers.
+                          env={**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": xla_flags(8, base="")})
+
+
+def test_reattributing_a_missing_report_is_one_line_and_exit_2():
+    done = _reattribute("/nonexistent.json")
+    assert done.returncode == 2, done.stderr[-2000:]
+    assert done.stderr.strip().count("\n") == 0 and "/nonexistent.json: not a drawn-shapes report" in done.stderr
+
+
+@pytest.mark.slow
+def test_reattributing_a_row_whose_program_changed_stops_or_marks_it_recompiled(tmp_path):
+    """`tools/reattribute_drawn.py` only re-reads XLA's buffers of an unchanged program: a stored
+    total one byte off stops it with the report untouched; `--recompile-changed` takes the
+    compiled numbers, predicts the row again and marks it."""
+    with open(os.path.join(ROOT, "benchmarks", "explorer_drawn_shapes_seeds144_155.json"), encoding="utf-8") as f:
+        report = json.load(f)
+    row = next(r for r in report["rows"] if r["seed"] == 149 and r["layout"] == "tsp 8")  # the smallest step
+    row["xla"]["fragmentation"] += 1  # a byte more than XLA ever reserved for it
+    report["rows"] = [row]
+    path = tmp_path / "report.json"
+    path.write_text(json.dumps(report))
+    stored = path.read_text()
+
+    refused = _reattribute(str(path))
+    assert refused.returncode == 2, refused.stderr[-2000:]
+    now = re.search(rf"seed 149 tsp 8: XLA's total is (\d+) bytes now, {sum(row['xla'].values())} stored: the program "
+                    r"changed; add --recompile-changed", refused.stderr)
+    assert now and refused.stderr.strip().count("\n") == 0, refused.stderr[-2000:]
+    compiled_total = int(now.group(1))
+    assert path.read_text() == stored and not (tmp_path / "report.md").exists()
+
+    done = _reattribute("--recompile-changed", str(path))
+    assert done.returncode == 0, done.stderr[-2000:]
+    again = json.loads(path.read_text())
+    (row,) = again["rows"]
+    assert sum(row["xla"].values()) == compiled_total and "recompiled" in row
+    assert row["ratio"] == pytest.approx(compiled_total / sum(row["predicted"].values()))
+    assert again["reattributed"][-1].endswith("a test (1 rows)")
+    assert "Terms attributed again" in (tmp_path / "report.md").read_text()
