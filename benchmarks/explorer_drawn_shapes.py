@@ -240,7 +240,7 @@ def _markdown(rows: list[dict], jax_version: str, where: str = "8 fake CPU devic
              "| seed | shape | layout | predicted MiB | XLA MiB | XLA / predicted | largest misses (XLA − predicted, MiB) |",
              "|---:|---|---|---:|---:|---:|---|"]
     for note in reattributed:  # `tools/reattribute_drawn.py`: the same programs, XLA's totals unchanged
-        lines[3:3] = ["", f"Terms attributed again ({note}): the same programs, XLA's totals unchanged."]
+        lines[3:3] = ["", f"Terms attributed again ({note}), XLA's totals unchanged but where marked *."]
     again = sorted({r["recompiled"] for r in rows if r.get("recompiled")})
     if again:  # rows whose program changed after the run: compiled again and predicted by the model then
         lines[3:3] = ["", f"Marked *: compiled again, {'; '.join(again)}, and predicted by the model of then."]

@@ -126,6 +126,7 @@ def test_reattributing_a_row_whose_program_changed_stops_or_marks_it_recompiled(
         report = json.load(f)
     row = next(r for r in report["rows"] if r["seed"] == 149 and r["layout"] == "tsp 8")  # the smallest step
     row["xla"]["fragmentation"] += 1  # a byte more than XLA ever reserved for it
+    stored_total = sum(row["xla"].values())
     report["rows"] = [row]
     path = tmp_path / "report.json"
     path.write_text(json.dumps(report))
@@ -133,7 +134,7 @@ def test_reattributing_a_row_whose_program_changed_stops_or_marks_it_recompiled(
 
     refused = _reattribute(str(path))
     assert refused.returncode == 2, refused.stderr[-2000:]
-    now = re.search(rf"seed 149 tsp 8: XLA's total is (\d+) bytes now, {sum(row['xla'].values())} stored: the program "
+    now = re.search(rf"seed 149 tsp 8: XLA's total is (\d+) bytes now, {stored_total} stored: the program "
                     r"changed; add --recompile-changed", refused.stderr)
     assert now and refused.stderr.strip().count("\n") == 0, refused.stderr[-2000:]
     compiled_total = int(now.group(1))
@@ -143,7 +144,8 @@ def test_reattributing_a_row_whose_program_changed_stops_or_marks_it_recompiled(
     assert done.returncode == 0, done.stderr[-2000:]
     again = json.loads(path.read_text())
     (row,) = again["rows"]
-    assert sum(row["xla"].values()) == compiled_total and "recompiled" in row
+    assert sum(row["xla"].values()) == compiled_total and row["xla_total_at_run"] == stored_total
+    assert "programs had changed since the run" in row["recompiled"]
     assert row["ratio"] == pytest.approx(compiled_total / sum(row["predicted"].values()))
     assert again["reattributed"][-1].endswith("a test (1 rows)")
     assert "Terms attributed again" in (tmp_path / "report.md").read_text()

@@ -86,7 +86,8 @@ def _predict_again(row: dict, report: dict, old_total: int, today: str) -> None:
     run = eds._workload(row["overrides"], hardware.profile(report.get("hardware") or "cpu"))
     row["predicted"] = memory.by_term(memory.predict(run, eds._sizes(row["layout"])))
     row["ratio"] = sum(row["xla"].values()) / sum(row["predicted"].values())
-    row["recompiled"] = f"{today} (XLA's total {old_total / 2**20:.1f} MiB at the run: its program has changed since)"
+    row["recompiled"] = f"on {today}: their programs had changed since the run"
+    row["xla_total_at_run"] = old_total
     print(f"  recompiled: {old_total} -> {sum(row['xla'].values())} bytes", flush=True)
 
 
