@@ -144,15 +144,19 @@ def _repredict(path: str, out: str) -> int:
 
 def repredicted(report: dict) -> dict:
     """`report` (a run's JSON) with each row's prediction and ratio made again by the current model."""
+    for row in report["rows"]:
+        predict_row(row, report)
+    return report
+
+
+def predict_row(row: dict, report: dict) -> None:
+    """One row's prediction and ratio made again by the current model, for its report's hardware."""
     from zaya_jax import hardware
     from zaya_jax.explore import memory
 
-    hw = hardware.profile(report.get("hardware") or "cpu")  # the first reports were all made on CPU
-    for row in report["rows"]:
-        run = _workload(row["overrides"], hw)
-        row["predicted"] = memory.by_term(memory.predict(run, _sizes(row["layout"])))
-        row["ratio"] = sum(row["xla"].values()) / sum(row["predicted"].values())
-    return report
+    run = _workload(row["overrides"], hardware.profile(report.get("hardware") or "cpu"))  # first reports: CPU
+    row["predicted"] = memory.by_term(memory.predict(run, _sizes(row["layout"])))
+    row["ratio"] = sum(row["xla"].values()) / sum(row["predicted"].values())
 
 
 def _kernels_for(hw):

@@ -80,12 +80,8 @@ def main(argv=None) -> int:
 def _predict_again(row: dict, report: dict, old_total: int, today: str) -> None:
     """A row whose program changed since its run: the current model's prediction beside it."""
     import explorer_drawn_shapes as eds
-    from zaya_jax import hardware
-    from zaya_jax.explore import memory
 
-    run = eds._workload(row["overrides"], hardware.profile(report.get("hardware") or "cpu"))
-    row["predicted"] = memory.by_term(memory.predict(run, eds._sizes(row["layout"])))
-    row["ratio"] = sum(row["xla"].values()) / sum(row["predicted"].values())
+    eds.predict_row(row, report)
     row["recompiled"] = f"on {today}: their programs had changed since the run"
     row["xla_total_at_run"] = old_total
     print(f"  recompiled: {old_total} -> {sum(row['xla'].values())} bytes", flush=True)
