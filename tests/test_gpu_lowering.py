@@ -15,7 +15,7 @@ from zaya_jax import jax_compat
 from zaya_jax.errors import ZayaError
 from zaya_jax.kernels import gpu_lowering, resources, tuning
 from zaya_jax.kernels.registry import resolve, target, targeting
-from zaya_jax.parallel import zigzag
+from zaya_jax.parallel import tsp_experts, zigzag
 from zaya_jax.train.program import program_for_target
 
 PLATFORMS = ("cuda", "rocm")
@@ -128,8 +128,8 @@ def expected_calls(program, mesh: dict) -> dict:
     and per sequence chunk (one static causal-offset branch per device); three norms; two grouped
     matmuls forward (the fused gate/up, down) and two input-gradient ones backward, plus two
     weight-gradient ones. The TSP ring's steps are one loop (its body: one copy of a step's matmuls
-    whatever the ring's length; two steps unrolled call one function twice), and its backward
-    recomputes the gate/up one. Full
+    whatever the ring's length) except at two ranks, where the two steps are unrolled and call
+    every grouped matmul twice; its backward recomputes the gate/up one. Full
     remat runs every block's forward kernels a second time in the backward.
     """
     model, step = program.exp.model, program.step_cfg
@@ -140,10 +140,11 @@ def expected_calls(program, mesh: dict) -> dict:
     again = 2 if step.remat == "full" else 1
     attention = layers * (model.num_key_value_heads if tsp > 1 else 1) * chunks
     forward_gmm, backward_gmm = (2, 3) if tsp > 1 else (2, 2)
+    ring_copies = 2 if tsp == tsp_experts.UNROLLED else 1
     return {
         "zaya_forward_kernel": attention * again, "zaya_dq_kernel": attention, "zaya_dkv_kernel": attention,
-        "zaya_grouped_matmul": layers * (forward_gmm * again + backward_gmm),
-        "zaya_grouped_matmul_transposed": layers * 2,
+        "zaya_grouped_matmul": layers * ring_copies * (forward_gmm * again + backward_gmm),
+        "zaya_grouped_matmul_transposed": layers * ring_copies * 2,
         "zaya_rms_norm_fwd": 3 * layers * again + 1, "zaya_rms_norm_bwd": 3 * layers + 1,
     }
 

@@ -9,7 +9,8 @@ which runs the same kernels in tests, accepts many such programs. This module ow
 
 - `lower(fn, args, platform)`: the StableHLO text of `fn` lowered for `cuda` or `rocm`, traced
   under that kernel target (so `auto` kernels, interpret mode and tuning rows are the GPU's);
-- `triton_calls(text)`: how many Triton kernel calls the text holds, by kernel name;
+- `triton_calls(text)`: how many Triton kernel calls the program makes at its call sites, by
+  kernel name (a function called from two places counts twice, inlined or not);
 - `kernel_cases` / `lower_kernel_case`: every Pallas kernel, forward and forward+backward, at
   ZAYA1's shapes (head_dim 128, 8 query : 2 KV heads, packed segment ids, the sequence-split
   offset form, 16 experts of 2048 x 2048; linear attention with decay and an entering state),
@@ -41,6 +42,8 @@ from zaya_jax.kernels.registry import GPU_TARGETS, targeting
 # Triton IR (`__gpu$xla.gpu.triton`); 0.11 compiles it while lowering (`triton_kernel_call_ffi`).
 _LAUNCH = re.compile(r'name = "([^"]*)", num_stages = (\d+) : i32, num_warps = (\d+) : i32')
 _TRITON_CALL = re.compile(r'custom_call @(?:"?__gpu\$xla\.gpu\.triton"?|triton_kernel_call_ffi)\(.*?name = "([^"]*)"')
+_FUNCTION = re.compile(r'^\s*func\.func (?:public |private )?@"?([^"(\s]+)"?\(', re.M)
+_FUNCTION_CALL = re.compile(r'\bcall @"?([^"(\s]+)"?\(')  # `custom_call @` has no word boundary: not matched
 
 # The GPU each platform's lowering is for, when no GPU is here: the device kind JAX's Triton
 # lowering reads its architecture from (ZAYA1's MI300X is gfx942).
@@ -100,8 +103,25 @@ def checked_lowering(platform: str):
 
 
 def triton_calls(text: str) -> collections.Counter:
-    """Triton kernel calls in lowered text, counted by kernel name."""
-    return collections.Counter(_TRITON_CALL.findall(text))
+    """Triton kernel calls in lowered text by kernel name, each function's counted once per call
+    of it from `main`. jax 0.10 lowers a body traced once and run twice (a two-step unrolled loop)
+    as one private function called twice, later jax inlines both copies: counted at the call
+    sites, both say the same. (A loop's body is one call site, however many times it runs.)"""
+    starts = [(m.group(1), m.start()) for m in _FUNCTION.finditer(text)]
+    if not starts:
+        return collections.Counter(_TRITON_CALL.findall(text))
+    ends = [start for _, start in starts[1:]] + [len(text)]
+    bodies = {name: text[start:end] for (name, start), end in zip(starts, ends)}
+
+    @functools.cache
+    def made_by(name: str) -> collections.Counter:
+        body = bodies[name]
+        calls = collections.Counter(_TRITON_CALL.findall(body))
+        for callee in _FUNCTION_CALL.findall(body):
+            calls.update(made_by(callee))
+        return calls
+
+    return made_by("main" if "main" in bodies else starts[0][0])
 
 
 def launch_params(text: str) -> set[tuple[str, int, int]]:
