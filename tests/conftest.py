@@ -1,5 +1,6 @@
-"""Test setup: CPU only; 8 fake devices for the multi-device tests (set before jax is imported);
-one persistent compilation cache for the whole test run.
+"""Test setup: CPU only; 8 fake devices for the multi-device tests (set before jax starts) and the
+CPU threads their collectives need (`cpu_host.threads_for_devices`); one persistent compilation
+cache for the whole test run.
 
 The cache is shared by every pytest-xdist worker and every run a test starts (they inherit the
 environment, and the trainer's default cache is `JAX_COMPILATION_CACHE_DIR` when that is set), so
@@ -25,6 +26,8 @@ import tempfile
 import pytest
 from xla_test_flags import TEST_XLA_FLAGS
 
+from zaya_jax import cpu_host
+
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 flags = os.environ.get("XLA_FLAGS", "")
 if "xla_force_host_platform_device_count" not in flags:
@@ -32,6 +35,7 @@ if "xla_force_host_platform_device_count" not in flags:
 if TEST_XLA_FLAGS not in flags:
     flags += " " + TEST_XLA_FLAGS
 os.environ["XLA_FLAGS"] = flags.strip()
+cpu_host.threads_for_flagged_devices()  # as `zaya` does: XLA:CPU's collectives need the threads
 
 _CACHE_MADE_HERE = None
 _GROUPS_MADE_HERE = None

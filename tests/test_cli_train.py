@@ -6,6 +6,7 @@ import os
 import re
 
 import pytest
+from zaya_jax import cpu_host
 from run_outputs import tensorboard_events
 from zaya_process import python_probe, zaya
 from paths import ROOT, TINY
@@ -112,14 +113,13 @@ def test_tiny_cpu_learns_to_a_stated_held_out_loss(tmp_path):
 
 
 def test_config_splits_the_cpu_into_devices_and_keeps_freed_memory(tmp_path):
-    from zaya_jax import cpu_host
-
     result = zaya("train", f"--config={TINY}", f"--workdir={tmp_path / 'run'}", *QUICK, "--config.train.steps=1",
                   "--config.train.cpu_devices=4", devices=None)
     assert result.returncode == 0, result.stderr
     mesh = next(line for line in result.stdout.splitlines() if line.strip().startswith("mesh"))
     assert "4 cpu device(s): data=4" in mesh and "not applied" not in mesh
     assert ("host memory kept for reuse" in mesh) == (cpu_host._glibc() is not None)
+    assert cpu_host._cores() >= 8 or "8 CPU threads for its collectives (PJRT_NPROC)" in mesh
 
 
 def _assert_progress_bar(result, train, eval_loss):
@@ -238,6 +238,8 @@ def test_layout_experiment_trains_on_fake_devices(tmp_path):
     result = zaya("train", f"--config={config}", f"--workdir={tmp_path / 'run'}", *QUICK, devices=8)
     assert result.returncode == 0, result.stderr
     assert "mesh    8 cpu device(s): data=2, tsp=4" in result.stdout
+    # Without them jax 0.12's XLA:CPU aborts most such runs in a collective (zaya_jax/cpu_host.py).
+    assert cpu_host._cores() >= 16 or "16 CPU threads for its collectives (PJRT_NPROC)" in result.stdout
 
 
 

@@ -106,3 +106,24 @@ def test_split_into_devices_sets_jax_unless_the_environment_fixes_the_count(monk
 ])
 def test_a_device_count_replaces_the_one_in_xla_flags(flags, want):
     assert cpu_host.with_device_count(flags, 4) == want
+
+
+def test_more_devices_than_cores_get_two_threads_each_unless_the_environment_names_a_count(monkeypatch):
+    from zaya_jax.kernels import xla_flags
+
+    monkeypatch.setattr(xla_flags, "backends_started", lambda: False)
+    monkeypatch.setattr(cpu_host, "_threads_set", 0)
+    environ = {}
+    assert cpu_host.threads_for_devices(8, environ, cores=2)
+    assert environ == {"PJRT_NPROC": "16"} and "16 CPU threads" in cpu_host.threads_note()
+    assert cpu_host.threads_for_devices(2, (small := {}), cores=2) and small == {"PJRT_NPROC": "4"}
+    for count, cores, named in [(8, 16, {}), (1, 1, {}), (8, 2, {"NPROC": "4"}), (8, 2, {"PJRT_NPROC": "2"})]:
+        environ = dict(named)
+        assert not cpu_host.threads_for_devices(count, environ, cores=cores)
+        assert environ == named
+
+
+def test_the_device_count_is_read_from_xla_flags():
+    assert cpu_host.flagged_device_count({"XLA_FLAGS": "--a=1 --xla_force_host_platform_device_count=8"}) == 8
+    assert cpu_host.flagged_device_count({"XLA_FLAGS": "--xla_cpu_enable_fast_math=false"}) == 0
+    assert cpu_host.flagged_device_count({}) == 0

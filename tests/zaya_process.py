@@ -1,12 +1,14 @@
 """Running `zaya` as a user does, in a child process with the tests' environment: CPU only, the
 tests' XLA flags, as many fake devices as asked, and none of the variables a launcher hands its
-processes (coordinator, process count and id, attempt, node) that whoever started pytest may hold."""
+processes (coordinator, process count and id, attempt, node) that whoever started pytest may hold,
+nor the CPU thread count this process set for its own devices (the run sizes its own: `cpu_host`)."""
 
 import os
 import subprocess
 import sys
 
 from paths import ROOT
+from zaya_jax.cpu_host import THREAD_COUNT_ENV
 from zaya_jax.train.events import ATTEMPT_ENV
 from xla_test_flags import TEST_XLA_FLAGS, xla_flags
 
@@ -16,7 +18,7 @@ JOB_VARIABLES = ("JAX_COORDINATOR", "JAX_NUM_PROC", "JAX_PROCESS", "ZAYA_NODE", 
 def zaya_env(devices: int | None = 1, flags: str = TEST_XLA_FLAGS, **extra: str) -> dict:
     """The child's environment; `devices=None` leaves the device count to the run (its config's
     `train.cpu_devices`, or `zaya launch --cpu-devices`)."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith(JOB_VARIABLES)}
+    env = {k: v for k, v in os.environ.items() if not k.startswith(JOB_VARIABLES) and k not in THREAD_COUNT_ENV}
     env.update(JAX_PLATFORMS="cpu", XLA_FLAGS=flags if devices is None else xla_flags(devices, flags))
     return {**env, **extra}
 

@@ -241,6 +241,7 @@ STARTS_JAX = ("train", "mesh", "bench", "convert", "generate", "eval")  # `launc
 
 def main(argv: list[str] | None = None) -> int:
     args, extra = build_parser().parse_known_args(argv)
+    from zaya_jax import cpu_host
     from zaya_jax.checkpoint.background_noise import quiet_background_failures
     from zaya_jax.jax_environment import backend_failure, check_xla_flags
 
@@ -248,6 +249,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command in STARTS_JAX:
             check_xla_flags()  # XLA aborts the process on a flag it does not know
+            cpu_host.threads_for_flagged_devices()  # before JAX's CPU client sizes its thread pool
         return COMMANDS[args.command](args, extra)
     except ZayaError as e:
         print(f"zaya: error: {e}", file=sys.stderr)

@@ -1,4 +1,5 @@
-"""A CPU run's host, set up before JAX starts: freed memory kept for reuse, and the cores as devices.
+"""A CPU run's host, set up before JAX starts: freed memory kept for reuse, the cores as devices,
+and a thread for each device.
 
 **Freed memory stays in the heap.** XLA:CPU allocates a step's temporaries as one block (at
 `tiny_cpu`, every layer's saved activations: a few hundred MB) and frees it when the step ends.
@@ -17,7 +18,19 @@ N CPU devices (`jax_num_cpu_devices`), which the mesh's `data` axis then spans: 
 share of the batch on its own core. A device count already in the environment (XLA_FLAGS'
 `--xla_force_host_platform_device_count`, as the tests and layout explorations set it) wins.
 
-Both must happen before JAX creates its CPU client (a thread picks its malloc arena at its first
+**Threads for the devices' collectives.** XLA's CPU client runs its devices' work on one pool of
+threads, one per core (`PJRT_NPROC` or `NPROC` when set), and a device waiting in an in-process
+collective for its peers holds a thread while it waits. On jax 0.12's XLA:CPU a device can have
+two collectives ready at once and its peers take them in another order, so with as many threads as
+devices every thread can end up waiting while the collective that would free them has none to run
+on: after 40 s XLA aborts the process ("Termination timeout for `all gather ...`", a C++ check
+failure). Measured with `experiments/layouts/tsp4_data2.py` on 8 fake devices of a 2-core host
+(jax 0.12.0.1): 4 of 6 runs aborted with the host's 2 threads, 1 of 2 with 8 (5 threads in a
+collective-permute, 3 in an all-gather one device had not reached), none of 8 with 16; never seen
+on jax 0.10, whose steps run as fast with 16 threads. `threads_for_devices` sets `PJRT_NPROC`
+to twice the device count where the host has fewer cores and the environment names no count.
+
+All three must happen before JAX creates its CPU client (a thread picks its malloc arena at its first
 allocation, and the client's threads allocate as soon as they start); `zaya train` calls
 `prepare` first, which acts when JAX will run on CPU (`will_run_on_cpu`).
 """
@@ -33,6 +46,8 @@ import pkgutil
 import re
 
 ENV = "ZAYA_HOST_MALLOC"  # "keep" (the default on CPU) or "system"
+THREAD_COUNT_ENV = ("PJRT_NPROC", "NPROC")  # XLA's CPU client's pool size, in the order it reads them
+THREADS_PER_DEVICE = 2  # one device's two collectives ready at once (measured: one per device aborts)
 DEVICE_COUNT_FLAG = "--xla_force_host_platform_device_count"
 CHOICES = ("keep", "system")
 # glibc's mallopt parameters (malloc.h) and the values set.
@@ -40,18 +55,62 @@ _M_TRIM_THRESHOLD, _M_MMAP_MAX, _M_ARENA_MAX = -1, -4, -8
 _SETTINGS = ((_M_ARENA_MAX, 1), (_M_MMAP_MAX, 0), (_M_TRIM_THRESHOLD, 2**31 - 1))
 
 _applied = False
+_threads_set = 0
 
 
 def prepare(cpu_devices: int, environ=os.environ) -> None:
     """Everything this module sets up, if JAX will run on CPU (`zaya train` calls it before JAX
-    starts): freed memory kept unless `ZAYA_HOST_MALLOC=system`, and `cpu_devices` devices. A bad
-    `ZAYA_HOST_MALLOC` is an error on any platform."""
+    starts): freed memory kept unless `ZAYA_HOST_MALLOC=system`, `cpu_devices` devices (unless
+    XLA_FLAGS sets a count) and a thread for each. A bad `ZAYA_HOST_MALLOC` is an error on any
+    platform."""
     keep = choice(environ) == "keep"
     if not will_run_on_cpu():
         return
     if keep:
         keep_freed_memory()
     split_into_devices(cpu_devices, environ)
+    threads_for_devices(flagged_device_count(environ) or cpu_devices, environ)
+
+
+def threads_for_devices(count: int, environ=os.environ, cores: int | None = None) -> bool:
+    """Size XLA's CPU thread pool to two threads per device (`PJRT_NPROC`) for `count` devices
+    where the host has fewer cores; False (nothing set) for one device, with enough cores, where
+    the environment already names a thread count, or once JAX has started (the pool is made with
+    the client)."""
+    from zaya_jax.kernels.xla_flags import backends_started
+
+    global _threads_set
+    threads = THREADS_PER_DEVICE * count
+    if count <= 1 or threads <= (cores or _cores()) or any(name in environ for name in THREAD_COUNT_ENV) \
+            or backends_started():
+        return False
+    environ[THREAD_COUNT_ENV[0]] = str(threads)
+    _threads_set = threads
+    return True
+
+
+def threads_for_flagged_devices(environ=os.environ) -> bool:
+    """`threads_for_devices` for the CPU device count XLA_FLAGS sets, if JAX will run on CPU
+    (every command that starts JAX calls it first; `prepare` adds `train.cpu_devices`)."""
+    return will_run_on_cpu() and threads_for_devices(flagged_device_count(environ), environ)
+
+
+def threads_note() -> str:
+    """For the run's banner: the thread count this process set for its devices; "" when none."""
+    return f"; {_threads_set} CPU threads for its collectives ({THREAD_COUNT_ENV[0]})" if _threads_set else ""
+
+
+def flagged_device_count(environ=os.environ) -> int:
+    """The CPU device count XLA_FLAGS sets; 0 when it sets none (or not as a number)."""
+    found = re.findall(rf"{DEVICE_COUNT_FLAG}=(\d+)", environ.get("XLA_FLAGS", ""))
+    return int(found[-1]) if found else 0
+
+
+def _cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
 
 
 def with_device_count(xla_flags: str, count: int) -> str:

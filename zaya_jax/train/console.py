@@ -32,7 +32,7 @@ def banner(out, exp: Experiment, program: Program, data: DataPipeline, workdir: 
     platform = program.mesh.devices.flat[0].platform
     host = "; host memory kept for reuse between steps (ZAYA_HOST_MALLOC)" if cpu_host.applied() else ""
     if platform == "cpu":
-        host += cpu_host.devices_note(c.train.cpu_devices, jax.local_device_count())
+        host += cpu_host.devices_note(c.train.cpu_devices, jax.local_device_count()) + cpu_host.threads_note()
     print(f"  mesh    {program.mesh.size} {platform} device(s): {axes}{host}", file=out)
     if topology.process_count > 1:
         across = ", ".join(topology.axes_across_nodes(program.mesh)) or "none"
