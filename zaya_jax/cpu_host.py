@@ -1,5 +1,5 @@
 """A CPU run's host, set up before JAX starts: freed memory kept for reuse, the cores as devices,
-and a thread for each device.
+and the threads their collectives need.
 
 **Freed memory stays in the heap.** XLA:CPU allocates a step's temporaries as one block (at
 `tiny_cpu`, every layer's saved activations: a few hundred MB) and frees it when the step ends.
@@ -28,7 +28,8 @@ failure). Measured with `experiments/layouts/tsp4_data2.py` on 8 fake devices of
 (jax 0.12.0.1): 4 of 6 runs aborted with the host's 2 threads, 1 of 2 with 8 (5 threads in a
 collective-permute, 3 in an all-gather one device had not reached), none of 8 with 16; never seen
 on jax 0.10, whose steps run as fast with 16 threads. `threads_for_devices` sets `PJRT_NPROC`
-to twice the device count where the host has fewer cores and the environment names no count.
+to twice the device count where the host has fewer cores than that and the environment names no
+thread count of its own.
 
 All three must happen before JAX creates its CPU client (a thread picks its malloc arena at its first
 allocation, and the client's threads allocate as soon as they start); `zaya train` calls
@@ -61,7 +62,7 @@ _threads_set = 0
 def prepare(cpu_devices: int, environ=os.environ) -> None:
     """Everything this module sets up, if JAX will run on CPU (`zaya train` calls it before JAX
     starts): freed memory kept unless `ZAYA_HOST_MALLOC=system`, `cpu_devices` devices (unless
-    XLA_FLAGS sets a count) and a thread for each. A bad `ZAYA_HOST_MALLOC` is an error on any
+    XLA_FLAGS sets a count) and two threads for each. A bad `ZAYA_HOST_MALLOC` is an error on any
     platform."""
     keep = choice(environ) == "keep"
     if not will_run_on_cpu():
@@ -74,7 +75,7 @@ def prepare(cpu_devices: int, environ=os.environ) -> None:
 
 def threads_for_devices(count: int, environ=os.environ, cores: int | None = None) -> bool:
     """Size XLA's CPU thread pool to two threads per device (`PJRT_NPROC`) for `count` devices
-    where the host has fewer cores; False (nothing set) for one device, with enough cores, where
+    where the host has fewer cores than that; False (nothing set) for one device, with enough cores, where
     the environment already names a thread count, or once JAX has started (the pool is made with
     the client)."""
     from zaya_jax.kernels.xla_flags import backends_started
