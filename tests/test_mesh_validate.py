@@ -64,11 +64,22 @@ def test_cli_ranks_writes_json_and_plot(tmp_path):
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_a_cpu_validation_on_another_jax_says_its_xla_is_not_the_one_the_terms_were_read_on():
+    from zaya_jax.explore.report import compiler_note
+
+    assert compiler_note("0.10.2") == ""
+    note = compiler_note("0.12.0.1")
+    assert note.startswith("note: XLA here is jax 0.12.0.1's; the explorer's CPU terms were read on jax 0.10's")
+    assert "The XLA these numbers were read on" in note and "\n" not in note
+
+
 def test_cli_validate_reports_xla_bytes(tmp_path):
     out = tmp_path / "v.json"
     result = zaya("mesh", f"--config={TINY}", "--hardware=cpu", "--top=1", "--validate", f"--json={out}", *SMALL, devices=8)
     assert result.returncode == 0, result.stderr
     assert "XLA args" in result.stdout and "validate 1/1" in result.stderr
+    # The CPU terms are jax 0.10's XLA:CPU's: another jax says so under the table.
+    assert ("note: XLA here is jax" in result.stdout) == (jaxlib_minor() != memory.CPU_TERMS_JAX)
     first = json.loads(out.read_text())[0]
     assert first["xla"]["argument_bytes"] == pytest.approx(
         first["predicted"]["param_bytes"] + first["predicted"]["optimizer_bytes"], rel=0.02)

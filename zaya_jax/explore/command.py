@@ -159,6 +159,8 @@ def mesh_command(args, overrides: list[str]) -> int:
     if calibrated:
         print(calibrated.summary())
     print(report.table(shown, xla))
+    if xla is not None and devices is None and (note := report.compiler_note(_jax_version())):
+        print(note)
     if args.terms:
         print("\nMemory per device by term, predicted against XLA's buffers at the step's peak:")
         print(report.terms_table(shown, xla))
@@ -173,3 +175,9 @@ def mesh_command(args, overrides: list[str]) -> int:
     print(f"best: {describe(fitting[0].layout)} (set it with --config.mesh.AXIS=SIZE for each axis shown"
           f"{report.tight_note(fitting[0], question)})")
     return 0
+
+
+def _jax_version() -> str:
+    import jax
+
+    return jax.__version__

@@ -65,6 +65,10 @@ HEADROOM = 0.10
 # shares its scheduler). XLA has needed this much more than the prediction; a layout predicted
 # within it of the limit may not fit.
 UNDERESTIMATE = {"cpu": 1.26, "gpu": 1.25}
+# The jax whose XLA:CPU the CPU-fitted terms (the unit's rings, the backward's working set, the
+# `cpu` underestimate) were read on; another version's XLA:CPU schedules the step differently
+# (docs/mesh_explorer.md, "The XLA these numbers were read on").
+CPU_TERMS_JAX = (0, 10)
 CPU_RECOMPUTED_UNITS = 1.15  # XLA:CPU's backward under remat: the unit recomputed, and its gradients as made
 BACKWARD_SCORES = 1.5  # XLA:CPU's `xla` attention backward: probability sets beyond the block's one
 F32 = 4

@@ -55,6 +55,18 @@ def tight_note(best: Prediction, run: Workload) -> str:
             "layout would not fit at that: check it with --validate") if best.tight else ""
 
 
+def compiler_note(jax_version: str) -> str:
+    """What a CPU validation adds when this jax is not the one the CPU terms were read on; "" when it is."""
+    from zaya_jax.explore.memory import CPU_TERMS_JAX
+
+    if tuple(int(part) for part in jax_version.split(".")[:2]) == CPU_TERMS_JAX:
+        return ""
+    read_on = ".".join(map(str, CPU_TERMS_JAX))
+    return (f"note: XLA here is jax {jax_version}'s; the explorer's CPU terms were read on jax {read_on}'s XLA:CPU, "
+            "which schedules the step differently (up to 1.35x apart on a small fsdp 8 step): "
+            "see docs/mesh_explorer.md, \"The XLA these numbers were read on\"")
+
+
 def terms_table(predictions: list[Prediction], xla: dict) -> str:
     """Per validated layout, each memory term predicted against XLA's bytes at the step's peak
     (`xla_terms`), MiB per device; `kernel` and `xla_copies` have no predicted part."""
