@@ -21,6 +21,12 @@ CHILD = textwrap.dedent("""
         f.write(json.dumps({"attempt": attempt, "process": me, "cause": os.environ["ZAYA_RESTART_CAUSE"],
                             "failed_at": os.environ["ZAYA_FAILED_AT"]}) + "\\n")
     code = plan[min(attempt, len(plan) - 1)]  # process 1's exit in this attempt
+    def logged(process):
+        with open(log) as f:
+            return any(json.loads(line)["attempt"] == attempt and json.loads(line)["process"] == process for line in f)
+    deadline = time.time() + 30
+    while me == 1 and code != 0 and not logged(0) and time.time() < deadline:  # fail after the peer has logged
+        time.sleep(0.01)
     if code == 0 or (me == 1 and code > 0):
         sys.exit(code)
     if me == 1:
