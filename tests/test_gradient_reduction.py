@@ -63,11 +63,16 @@ def test_a_one_iteration_layer_scan_copies_no_weights_outside_the_micro_batch_lo
     assert "while(" in entry and not lifted, lifted
 
 
-def test_zero1_reduce_scatters_each_split_gradient_onto_its_optimizer_shard():
-    program = _program(4, data=2)
+@pytest.mark.parametrize("mesh", [dict(data=2), dict(data=2, fsdp=2, expert=2)], ids=str)
+def test_zero1_reduce_scatters_each_split_gradient_onto_its_optimizer_shard(mesh):
+    """Each device reduces its own tiles of a weight split over other axes too: GSPMD had gathered
+    such a gradient whole before the reduction over the manual `data` (the reduce-scatters' results
+    then half the whole weight, not half the device's shard)."""
+    program = _program(2, **mesh)
     reductions = _over_data(program)
     split = [k for k, dim in program.data_split.items() if dim is not None]
-    assert split and len(split) == len(program.data_split)  # every weight of the tiny model splits
+    # Over data alone every weight of the tiny model splits; a norm already split over fsdp does not.
+    assert split and (len(split) == len(program.data_split) or len(mesh) > 1)
     scattered = sum(b * runs for op, b, runs in reductions if op == "reduce-scatter")
     assert scattered == _shard_bytes(program, program.optimizer_shardings(), split)
 

@@ -109,7 +109,8 @@ class Program:
         XLA can overlap with the layers still to differentiate (a reduction after the loop cannot)."""
         if self.exp.config.train.grad_accum_steps == 1:
             return None
-        return functools.partial(reduce_once, scatter=self.data_split)
+        return functools.partial(reduce_once, scatter=self.data_split,
+                                 specs={k: s.spec for k, s in self.param_shardings().items()})
 
     def _data_split(self) -> dict[str, int | None]:
         """ZeRO-1 (`optim.shard_over_data`): per parameter, the dimension its optimizer state and
