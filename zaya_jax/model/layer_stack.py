@@ -44,8 +44,15 @@ MIXER_KINDS = {attr: kind for kind, attr in MIXERS.items()}
 def init_stack(make_block: Callable[[nnx.Rngs], nnx.Module], key: jax.Array, layers: int) -> nnx.Module:
     """`layers` blocks from `make_block(rngs)`, one key each, initialised by one vmapped trace (the
     init's cost does not grow with depth) into one module whose variables lead with `layers`."""
-    graphdef, _ = nnx.split(nnx.eval_shape(lambda: make_block(nnx.Rngs(0))))
-    state = jax.vmap(lambda k: nnx.state(make_block(nnx.Rngs(k))))(jax.random.split(key, layers))
+    graphdefs = []  # the block's structure, kept from the one trace (a second one cost as much again)
+
+    def one(k):
+        graphdef, state = nnx.split(make_block(nnx.Rngs(k)))
+        graphdefs.append(graphdef)
+        return state
+
+    state = jax.vmap(one)(jax.random.split(key, layers))
+    graphdef = graphdefs[0]
     stacked = []
     for path, var in state.flat_state():
         axes = logical_axes(var)
