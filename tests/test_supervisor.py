@@ -23,7 +23,7 @@ CHILD = textwrap.dedent("""
     code = plan[min(attempt, len(plan) - 1)]  # process 1's exit in this attempt
     def logged(process):
         with open(log) as f:
-            return any(json.loads(line)["attempt"] == attempt and json.loads(line)["process"] == process for line in f)
+            return any(r["attempt"] == attempt and r["process"] == process for r in map(json.loads, f))
     deadline = time.time() + 30
     while me == 1 and code != 0 and not logged(0) and time.time() < deadline:  # fail after the peer has logged
         time.sleep(0.01)

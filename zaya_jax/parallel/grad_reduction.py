@@ -44,7 +44,7 @@ def reduce_once(accumulate: Callable, scatter: dict[str, int | None], specs: dic
         def local(params, biases, batches):
             with rows_held_whole((AXIS,)):
                 grads, loss, tokens, counts = accumulate(params, biases, batches)
-                grads = {k: _reduce(g, scatter.get(k), specs.get(k, P())) for k, g in grads.items()}
+                grads = {k: _reduce(g, scatter.get(k), specs[k]) for k, g in grads.items()}
             return (grads, *jax.lax.psum((loss, tokens, counts), AXIS))
 
         grad_specs = {k: split_over_data(P(), scatter.get(k), params[k].ndim) for k in params}
