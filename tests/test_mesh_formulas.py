@@ -349,24 +349,32 @@ def test_muon_matrices_move_by_all_to_all_over_the_axes_inside_them_and_nothing_
     r = run(batch=16, accum=4)
     muon = [g for g in inventory.param_groups(TINY) if g.optimizer == "muon"]
     moves = lambda sizes: {(tr.axis, tr.op): tr for tr in step_time.transfers(r, sizes) if tr.what.startswith("Muon")}
-    # tsp 8: a weight split inside its matrices (hidden or width) goes there and back as its shard;
+    # tsp 8: a weight split inside its matrices (hidden or width) goes there and back as its shard,
+    # padded to whole matrices (at most one more a device: the tile is padded to the 8 devices);
     # one the rules leave whole (the router's) is replicated: each device takes its part, and the
-    # results are gathered.
+    # results are gathered. The bytes as compiled: tests/test_muon_spread.py.
     sizes = mesh_sizes(tsp=8)
     tsp = moves(sizes)
     split = {g for g in muon if "tsp" in inventory.sharded_axes(g, sizes)}
     assert split and split != set(muon)
-    assert set(tsp) == {("tsp", "all_to_all"), ("tsp", "all_gather")} and tsp["tsp", "all_to_all"].calls == 2
-    assert tsp["tsp", "all_to_all"].nbytes == pytest.approx(sum(g.count * inventory.local_bytes(g, sizes) for g in split))
-    assert tsp["tsp", "all_gather"].nbytes == pytest.approx(
-        sum(g.count * inventory.local_bytes(g, sizes) for g in set(muon) - split))
+    # Four layers' router matrices over 8 devices: gathered they would be half padding, so they are
+    # summed back (muon_spread.gathers_back).
+    assert set(tsp) == {("tsp", "all_to_all"), ("tsp", "all_reduce")} and tsp["tsp", "all_to_all"].calls == 2
+    shards = sum(g.count * inventory.local_bytes(g, sizes) for g in split)
+    assert shards <= tsp["tsp", "all_to_all"].nbytes <= shards + sum(_matrix_bytes(g) for g in split)
+    assert tsp["tsp", "all_reduce"].nbytes == sum(g.count * inventory.local_bytes(g, sizes) for g in set(muon) - split)
     # expert 4: the experts are split between whole matrices (nothing moves); the rest is replicated,
     # so each device takes its part and the results are gathered.
     sizes = mesh_sizes(expert=4)
     ep = moves(sizes)
     assert set(ep) == {("expert", "all_gather")}
-    assert ep["expert", "all_gather"].nbytes == pytest.approx(
-        sum(g.count * inventory.local_bytes(g, sizes) for g in muon if g.part != "experts"))
+    assert ep["expert", "all_gather"].nbytes >= sum(g.count * inventory.local_bytes(g, sizes)
+                                                    for g in muon if g.part != "experts")
+
+
+def _matrix_bytes(group) -> float:
+    """fp32 bytes of one of a Muon weight's matrices."""
+    return group.elements / math.prod(group.shape[: group.view.batch_axes]) * 4
 
 
 def test_exposed_communication_overlaps_only_where_the_schedule_allows():

@@ -33,7 +33,11 @@ def test_spread_newton_schulz_equals_the_plain_one(count, per_pass, passes):
     (dict(fsdp=2, tsp=4), (None, None, "fsdp", "tsp"), (3, 2, 8, 12)),  # 6 matrices padded to 8
     (dict(data=2, expert=4), ("data", "expert", None, None), (4, 4, 8, 12)),  # already whole, by device
     (dict(fsdp=2, tsp=4), (None, "fsdp", "tsp", None), (3, 8, 4, 6)),  # [L, H, nq, d] read as [L, H, nq·d]
-], ids=["split matrix dims, padded", "split batch dims", "merged fan-out"])
+    (dict(data=2, expert=4), (None, "data", None), (1, 8, 12)),  # 1 matrix: the expert replicas sum it back
+    (dict(data=2, expert=2, tsp=2), (None, "data", None), (8, 8, 12)),  # 4 each, gathered over expert x tsp
+    (dict(data=2, expert=4), (None, "data", None), (10, 8, 12)),  # 5 each: 2 a replica, the last 2 padding
+], ids=["split matrix dims, padded", "split batch dims", "merged fan-out", "one matrix, summed back",
+        "gathered over two axes", "gathered, padded"])
 def test_matrices_held_where_their_state_lives_give_the_plain_newton_schulz(mesh, spec, shape):
     from jax.sharding import NamedSharding, PartitionSpec as P
 
@@ -41,10 +45,43 @@ def test_matrices_held_where_their_state_lives_give_the_plain_newton_schulz(mesh
     weight = np.random.default_rng(1).normal(size=shape).astype(np.float32)
     mats_shape = (*shape[:-2], shape[-2] * shape[-1]) if shape[-1] == 6 else shape
     run = spread_matrices(mesh, {"w": (P(*spec), shape)})
-    fn = jax.jit(lambda w: run(newton_schulz, w.reshape(mats_shape), "w"),
-                 in_shardings=NamedSharding(mesh, P(*spec)))
+
+    def spread(fn):
+        return jax.jit(lambda w: run(fn, w.reshape(mats_shape), "w"), in_shardings=NamedSharding(mesh, P(*spec)))
+
+    # A map of whole matrices that rounds nothing (each reversed, rows and columns, and tripled)
+    # comes back bit for bit: every matrix met whole and went back to its own place.
+    turned = lambda x: x[..., ::-1, ::-1] * 3
+    np.testing.assert_array_equal(spread(turned)(weight), turned(weight.reshape(mats_shape)))
+    # Newton–Schulz's fp32 rounding depends on how XLA lays out and orders the matmuls, which
+    # differ where the matrices arrive by all-to-all; its five quintic steps amplify that (up to
+    # 1.2e-5 here against the plain one's, both within 1.2e-5 of float64).
     want = jax.jit(newton_schulz)(weight.reshape(mats_shape))
-    np.testing.assert_allclose(fn(weight), want, rtol=2e-5, atol=2e-6)
+    np.testing.assert_allclose(spread(newton_schulz)(weight), want, rtol=2e-5, atol=2e-5)
+
+
+def _collectives(hlo: str) -> list[tuple[str, int]]:
+    """(op, elements of its result per device, a tuple's summed) for each collective in `hlo`."""
+    out = []
+    for result, op in re.findall(r"= (\([^)]*\)|\S+) (all-to-all|all-gather|all-reduce|collective-permute)\(", hlo):
+        dims = re.findall(r"f32\[([\d,]+)\]", result)
+        out.append((op.replace("-", "_"), sum(math.prod(int(d) for d in shape.split(",")) for shape in dims)))
+    return out
+
+
+def test_a_weight_of_few_matrices_moves_no_more_than_its_matrices():
+    """One [128, 256] matrix whose state is split on its rows over `data` and repeated over 4
+    `expert` replicas: its halves meet by one all-to-all and the result comes back as that one
+    matrix. Left to GSPMD, the batch was padded to 8 matrices (one per device) before it moved:
+    every device sent and received a quarter of all 8, and gathered 4 of them back."""
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    mesh, spec, shape = fake_mesh(data=2, expert=4), P(None, "data", None), (1, 128, 256)
+    run = spread_matrices(mesh, {"w": (spec, shape)})
+    fn = jax.jit(lambda w: run(newton_schulz, w * 2, "w"), in_shardings=NamedSharding(mesh, spec),
+                 out_shardings=NamedSharding(mesh, spec))
+    moved = [elements for _, elements in _collectives(fn.lower(np.zeros(shape, np.float32)).compile().as_text())]
+    assert moved and max(moved) == 128 * 256, moved
 
 
 def _compiled_update(layers, **mesh):
@@ -89,3 +126,30 @@ def test_matrices_move_to_the_spread_by_exchange_never_by_gathering_a_whole_weig
     gathered = [math.prod(int(d) for d in dims.split(",")) for dims in re.findall(r"= f32\[([\d,]+)\]\S* all-gather\(", hlo)]
     assert max(gathered, default=0) < whole, (max(gathered), whole)
     assert ("all-to-all(" in hlo) == exchanged
+
+
+@pytest.mark.parametrize("layers, mesh", [(4, dict(data=2, expert=4)), (4, dict(data=2, fsdp=2, expert=2)),
+                                          (4, dict(tensor=2, sequence=4)), (1, dict(data=2, expert=4))],
+                         ids=["data 2 x expert 4", "data 2 x fsdp 2 x expert 2", "tensor 2 x sequence 4",
+                              "one layer: summed back"])
+def test_the_explorer_prices_the_spreads_collectives_as_compiled(layers, mesh):
+    """The bytes each kind of collective in the compiled update moves per device (scalars aside: the
+    gradient norm's sum) are those `explore.step_time` prices for Muon's spread: the exchanges'
+    padded tiles, the gather's padded parts, and the sum where a gather would be mostly padding.
+    Under fsdp the experts' state splits over fsdp on the expert dimension, between whole matrices."""
+    from collections import Counter
+
+    from zaya_jax import hardware
+    from zaya_jax.explore import step_time
+    from zaya_jax.explore.workload import Workload
+
+    program, compiled = _compiled_update(layers, **mesh)
+    moved = Counter()
+    for op, elements in _collectives(compiled.as_text()):
+        moved[op] += 4 * elements
+    run = Workload.from_experiment(program.exp, hardware.profile("cpu"), 1, 8)
+    priced = Counter()
+    for t in step_time.transfers(run, dict(program.mesh.shape)):
+        if t.what.startswith("Muon's"):
+            priced[t.op] += t.nbytes * t.calls
+    assert priced == moved

@@ -20,6 +20,7 @@ import pytest
 
 from zaya_jax.experiment import load_experiment
 from zaya_jax.train import balancing
+from zaya_jax.train.optim import rule_for
 from zaya_jax.train.program import build_program
 from zaya_jax.train.step import make_gradient_step
 from paths import TINY
@@ -208,14 +209,17 @@ def test_pallas_kernels_run_per_batch_shard_and_train_like_one_device(single):
     # tokens again).
     # One micro-batch: no data replicas' loop around them (parallel/grad_reduction.py; see
     # tests/test_gpu_lowering.py for kernels inside it). Two more: the embedding lookup's forward
-    # and backward (parallel/embedding_schedule.py; fsdp splits the table).
+    # and backward (parallel/embedding_schedule.py; fsdp splits the table). And one per Muon weight
+    # in the update (parallel/muon_spread.py).
     layers = load_experiment(TINY, overrides).model.num_hidden_layers
     lookup = 2
+    muon = sum(rule_for(path).optimizer == "muon" for path in
+               build_program(load_experiment(TINY, overrides), devices=jax.devices()).modeldef.param_axes)
     assert _shard_maps(_lowered_hlo(overrides + ["--config.train.scan_layers=false"])) == \
-        2 * (5 * layers + 1) + layers + lookup, "a Pallas kernel is not shard_mapped over the batch axes"
+        2 * (5 * layers + 1) + layers + lookup + muon, "a Pallas kernel is not shard_mapped over the batch axes"
     scanned = []  # the run's own program: one block per scan iteration (train.scan_unroll=1)
     losses, params, _, norms = _run(overrides, jax.devices(), read_hlo=lambda hlo: scanned.append(_shard_maps(hlo)))
-    assert scanned == [2 * (5 + 1) + 1 + 1 + lookup]
+    assert scanned == [2 * (5 + 1) + 1 + 1 + lookup + muon]
     ref_losses, ref_params, _, ref_norms = single
     np.testing.assert_allclose(losses, ref_losses, rtol=2e-5)
     np.testing.assert_allclose(norms, ref_norms, rtol=NORM_RTOL)

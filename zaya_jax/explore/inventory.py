@@ -22,7 +22,7 @@ from zaya_jax.config import ModelConfig
 from zaya_jax.model.layer_stack import LAYER_AXIS, entry_kind, entry_layers, is_stacked
 from zaya_jax.model.params import PARAM_DTYPE
 from zaya_jax.parallel import muon_spread
-from zaya_jax.parallel.rules import data_split_dim, partition_spec, spec_axes
+from zaya_jax.parallel.rules import data_split_dim, entry_axes, merged_spec, partition_spec, spec_axes, split_over_data
 from zaya_jax.train.muon import MatrixView
 from zaya_jax.train.optim import rule_for
 
@@ -130,19 +130,21 @@ def _data_split(group: ParamGroup, sizes: tuple[tuple[str, int], ...]) -> int | 
     return data_split_dim(partition_spec(axes, mesh, shape), shape, mesh)
 
 
-def state_axes(group: ParamGroup, sizes: dict[str, int], zero1: bool) -> frozenset[str]:
-    """The mesh axes the group's optimizer state is split over: its parameter's, and ZeRO-1's `data`."""
-    return sharded_axes(group, sizes) | ({"data"} if optimizer_split(group, sizes, zero1) > 1 else set())
-
-
-def batch_split_axes(group: ParamGroup, sizes: dict[str, int], zero1: bool) -> frozenset[str]:
-    """The mesh axes that split a Muon weight's state between whole matrices (the experts' `expert`,
-    ZeRO-1's `data` on the layer axis) rather than inside them."""
-    axes = {"expert"} & sharded_axes(group, sizes) if group.part == "experts" else set()
-    dim = _data_split(group, tuple(sizes.items())) if optimizer_split(group, sizes, zero1) > 1 else None
-    if dim is not None and dim < int(is_stacked(group.path)) + group.view.batch_axes:
-        axes.add("data")
-    return frozenset(axes)
+def muon_tiles(group: ParamGroup, sizes: dict[str, int], zero1: bool) -> tuple[frozenset[str], frozenset[str]]:
+    """The mesh axes that split a Muon weight's optimizer state between whole matrices (its batch
+    dims: layers, experts) and inside them (its rows or columns), read as the program reads them:
+    the state's spec (`rules.partition_spec`, ZeRO-1's `data` by `rules.data_split_dim`) kept
+    through the reshape into matrices (`rules.merged_spec`, as `parallel/muon_spread` does)."""
+    mesh = types.SimpleNamespace(shape=dict(sizes))
+    shape, axes = stored(group)
+    spec = partition_spec(axes, mesh, shape)
+    if optimizer_split(group, sizes, zero1) > 1:
+        spec = split_over_data(spec, data_split_dim(spec, shape, mesh), len(shape))
+    batch = int(is_stacked(group.path)) + group.view.batch_axes
+    fan_in = math.prod(shape[batch: batch + group.view.in_axes])
+    matrices = (*shape[:batch], fan_in, math.prod(shape[batch:]) // fan_in)
+    where = [entry_axes(e) for e in merged_spec(spec, shape, matrices)]
+    return frozenset(a for e in where[:-2] for a in e), frozenset(a for e in where[-2:] for a in e)
 
 
 def optimizer_split(group: ParamGroup, sizes: dict[str, int], zero1: bool) -> int:

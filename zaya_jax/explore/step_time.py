@@ -42,7 +42,7 @@ from zaya_jax.explore.placement import Span, spans
 from zaya_jax.explore.workload import Workload, Share, lasp2_ends_bytes, lasp2_state_bytes, share
 from zaya_jax.kernels import pallas_linear_attention, tiled_grouped_matmul, tuning
 from zaya_jax.model.layer_stack import MIXERS
-from zaya_jax.parallel import tsp_experts, zigzag
+from zaya_jax.parallel import muon_spread, tsp_experts, zigzag
 from zaya_jax.parallel.axes import BATCH_AXES, SEQUENCE_AXES
 from zaya_jax.parallel.rules import spread_axes
 from zaya_jax.train import flops
@@ -332,25 +332,32 @@ def _lasp2_exchange(run: Workload, sizes: dict[str, int], s: Share, where: dict[
 def _muon_exchange(run: Workload, sizes: dict[str, int], where: dict[str, Span]) -> list[Transfer]:
     """Muon's matrices leave where their state lives for the spread and come back
     (`parallel/muon_spread`): an all-to-all over each axis that splits inside the matrices, both
-    ways, and the result gathered over the axes the state is replicated on. Axes that split
-    between whole matrices move nothing."""
+    ways, each moving the device's tile padded to whole matrices; then the results back over the
+    axes the state is replicated on: an all-gather of every replica's part (padded alike), or an
+    all-reduce of the tile's where that would be mostly padding (`muon_spread.gathers_back`). Axes
+    that split between whole matrices move nothing."""
     exchanged: dict[str, float] = {}
-    gathered: dict[tuple[str, ...], float] = {}
+    back: dict[tuple[tuple[str, ...], str], float] = {}
     for g in inventory.param_groups(run.cfg):
         if g.optimizer != "muon":
             continue
-        local = g.count * inventory.local_bytes(g, sizes) / inventory.optimizer_split(g, sizes, run.zero1)
-        between = inventory.batch_split_axes(g, sizes, run.zero1)
-        inside = inventory.state_axes(g, sizes, run.zero1) - between
+        batch = math.prod(g.shape[: g.view.batch_axes])
+        matrix = g.elements / batch * F32
+        between, inside = inventory.muon_tiles(g, sizes, run.zero1)
+        held = -(-g.count * batch // math.prod(sizes[a] for a in between | inside))  # whole, after the exchanges
         for axis in inside:
-            exchanged[axis] = exchanged.get(axis, 0.0) + local
+            exchanged[axis] = exchanged.get(axis, 0.0) + held * matrix
         rest = tuple(a for a in spread_axes(sizes) if a not in inside and a not in between)
         if rest:
-            gathered[rest] = gathered.get(rest, 0.0) + local
+            replicas = math.prod(sizes[a] for a in rest)
+            if muon_spread.gathers_back(held, replicas):
+                back[rest, "all_gather"] = back.get((rest, "all_gather"), 0.0) + replicas * -(-held // replicas) * matrix
+            else:
+                back[rest, "all_reduce"] = back.get((rest, "all_reduce"), 0.0) + held * matrix
     out = [Transfer(axis, "all_to_all", nbytes, 2, False, "Muon's matrices to the spread and back", where[axis])
            for axis, nbytes in exchanged.items()]
-    out += [Transfer("+".join(axes), "all_gather", nbytes, 1, False, "Muon's updates from the spread",
-                     _joint_span(where, axes)) for axes, nbytes in gathered.items()]
+    out += [Transfer("+".join(axes), op, nbytes, 1, False, "Muon's updates from the spread",
+                     _joint_span(where, axes)) for (axes, op), nbytes in back.items()]
     return out
 
 
