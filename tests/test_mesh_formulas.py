@@ -361,7 +361,7 @@ def test_muon_matrices_move_by_all_to_all_over_the_axes_inside_them_and_nothing_
     # summed back (muon_spread.gathers_back).
     assert set(tsp) == {("tsp", "all_to_all"), ("tsp", "all_reduce")} and tsp["tsp", "all_to_all"].calls == 2
     shards = sum(g.count * inventory.local_bytes(g, sizes) for g in split)
-    assert shards <= tsp["tsp", "all_to_all"].nbytes <= shards + sum(_matrix_bytes(g) for g in split)
+    assert shards <= tsp["tsp", "all_to_all"].nbytes <= shards + sum(inventory.matrix_bytes(g) for g in split)
     assert tsp["tsp", "all_reduce"].nbytes == sum(g.count * inventory.local_bytes(g, sizes) for g in set(muon) - split)
     # expert 4: the experts are split between whole matrices (nothing moves); the rest is replicated,
     # so each device takes its part and the results are gathered.
@@ -370,11 +370,6 @@ def test_muon_matrices_move_by_all_to_all_over_the_axes_inside_them_and_nothing_
     assert set(ep) == {("expert", "all_gather")}
     assert ep["expert", "all_gather"].nbytes >= sum(g.count * inventory.local_bytes(g, sizes)
                                                     for g in muon if g.part != "experts")
-
-
-def _matrix_bytes(group) -> float:
-    """fp32 bytes of one of a Muon weight's matrices."""
-    return group.elements / math.prod(group.shape[: group.view.batch_axes]) * 4
 
 
 def test_exposed_communication_overlaps_only_where_the_schedule_allows():

@@ -153,6 +153,11 @@ def optimizer_split(group: ParamGroup, sizes: dict[str, int], zero1: bool) -> in
     return sizes.get("data", 1) if zero1 and _data_split(group, tuple(sizes.items())) is not None else 1
 
 
+def matrix_bytes(group: ParamGroup) -> float:
+    """fp32 bytes of one of a Muon weight's matrices (Muon works in fp32 whatever the parameters')."""
+    return group.elements / math.prod(group.shape[: group.view.batch_axes]) * 4
+
+
 def ns_share(group: ParamGroup, sizes: dict[str, int]) -> int:
     """How many of the weight's whole matrices each device orthogonalises (`parallel/muon_spread`)."""
     return muon_spread.share(group.count * math.prod(group.shape[: group.view.batch_axes]), sizes)

@@ -51,7 +51,6 @@ layout whose prediction fits but would not at its compiler's `UNDERESTIMATE` tim
 from __future__ import annotations
 
 import dataclasses
-import math
 
 from zaya_jax.explore import inventory
 from zaya_jax.explore.workload import Workload, Share, lasp2_state_bytes, pattern_units, share
@@ -540,7 +539,7 @@ def _one_layer_a_step(run: Workload) -> bool:
 
 def ns_matrix_bytes(group: inventory.ParamGroup, sizes: dict[str, int]) -> float:
     """fp32 bytes of the whole matrices of a Muon weight one device orthogonalises (`inventory.ns_share`)."""
-    return inventory.ns_share(group, sizes) * group.elements / math.prod(group.shape[: group.view.batch_axes]) * F32
+    return inventory.ns_share(group, sizes) * inventory.matrix_bytes(group)
 
 
 def muon_temporaries(run: Workload, sizes: dict[str, int]) -> float:

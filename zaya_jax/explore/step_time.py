@@ -341,13 +341,13 @@ def _muon_exchange(run: Workload, sizes: dict[str, int], where: dict[str, Span])
     for g in inventory.param_groups(run.cfg):
         if g.optimizer != "muon":
             continue
-        batch = math.prod(g.shape[: g.view.batch_axes])
-        matrix = g.elements / batch * F32
+        matrices = g.count * math.prod(g.shape[: g.view.batch_axes])
+        matrix = inventory.matrix_bytes(g)
         between, inside = inventory.muon_tiles(g, sizes, run.zero1)
-        held = -(-g.count * batch // math.prod(sizes[a] for a in between | inside))  # whole, after the exchanges
+        held = -(-matrices // math.prod(sizes[a] for a in between | inside))  # whole, after the exchanges
         for axis in inside:
             exchanged[axis] = exchanged.get(axis, 0.0) + held * matrix
-        rest = tuple(a for a in spread_axes(sizes) if a not in inside and a not in between)
+        rest = tuple(a for a in spread_axes(sizes) if a not in between | inside)
         if rest:
             replicas = math.prod(sizes[a] for a in rest)
             if muon_spread.gathers_back(held, replicas):

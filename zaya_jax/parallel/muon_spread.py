@@ -73,8 +73,7 @@ def _orthogonalise_here(fn, where: list[tuple[str, ...]], sizes: dict[str, int],
     x = jnp.pad(x, ((0, padded - count), (0, 0), (0, 0)), mode="edge")
     for dim, axis in moves:  # whole matrices: each axis's slices of a matrix meet on one device
         x = jax.lax.all_to_all(x, axis, split_axis=0, concat_axis=dim, tiled=True)
-    rest = tuple(a for a in spread_axes(sizes) if a not in {axis for _, axis in moves} and
-                 a not in {axis for e in where[:-2] for axis in e})
+    rest = tuple(a for a in spread_axes(sizes) if a not in {axis for e in where for axis in e})  # the state's replicas
     out = _rest_share(fn, x, rest, math.prod(sizes[a] for a in rest), pass_elements)
     for dim, axis in reversed(moves):
         out = jax.lax.all_to_all(out, axis, split_axis=dim, concat_axis=0, tiled=True)
