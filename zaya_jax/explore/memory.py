@@ -139,8 +139,8 @@ def attention_bytes(run: Workload, s: Share) -> dict[str, float]:
         # Split along the sequence, the layer runs on its input with the previous chunk's look-back
         # rows in front (`parallel/attention_schedule.py`) and keeps that [look-back ‖ chunk, H] in
         # three copies where the unsplit layer keeps its normed input (seed 57 under `tensor 4 x
-        # sequence 2`, no remat: three per layer in the forward's stack; drawn CPU layouts within
-        # 10% 168 → 171 of 216). XLA:CPU's: the deviceless H100 sets lose 4 of 72 layouts with it.
+        # sequence 2`, no remat: three per layer in the forward's stack). XLA:CPU's only: a GPU's
+        # compiler does not keep them (the deviceless H100 sets).
         parts["look_back_input"] = 2 * cfg.hidden_size * b
     return parts
 
@@ -195,13 +195,11 @@ def expert_outputs_per_row(run: Workload, s: Share) -> float:
 
 def matmul_outputs_bytes(run: Workload, s: Share, kind: str = "C") -> float:
     """Per token, what the `dots` policy keeps of a block of this kind: the outputs of its plain
-    matmuls (`dot_general`s without batch dimensions). Not the experts': their grouped matmul is
-    `ragged_dot` or a kernel, which the policy does not save (`model/remat.py`), so the backward
-    makes them again. The router's: its three [R] projections and the class logits. Beside them the
-    policy keeps each block's input (`stored_per_token`). To the byte what JAX saves for a `C` layer
-    scan (`tests/test_layer_stack.py`). Over the drawn CPU sets 250 → 254 of 312 within 10% (seeds
-    56, 87 and 150 under expert splits, 0.84–0.86 → 0.98–1.04, where `dispatch`× rows of outputs
-    had been priced), deviceless H100s at ZAYA1-like widths 36 → 40 of 72."""
+    matmuls (`dot_general`s without batch dimensions): the projections, and the router's three [R]
+    projections and class logits. Not the experts': their grouped matmul is `ragged_dot` or a kernel,
+    which the policy does not save (`model/remat.py`), so the backward makes them again. Beside them
+    the policy keeps each block's input (`stored_per_token`). To the byte what JAX saves for a `C`
+    layer scan (`tests/test_layer_stack.py`)."""
     cfg, b = run.cfg, run.compute_bytes
     qk = (s.heads + s.kv_heads) * cfg.head_dim
     if kind == "L":  # q, k, v in the compute dtype; the gate and Wo accumulate in fp32
@@ -223,9 +221,8 @@ def largest_block_per_token(run: Workload, s: Share) -> float:
 
 def stored_per_token(run: Workload, s: Share) -> float:
     """Per token, what all blocks keep until the backward under the remat policy."""
-    # Each layer's input (JAX saves the scan's carry, one a unit; the unit's backward on both
-    # compilers holds the inputs of the layers it recomputes: seed 80's `CL` unit under `full` on
-    # deviceless H100s 1.23 → 1.32 of the prediction with one a unit)
+    # Each layer's input: JAX saves the scan's carry, one a unit, but the unit's backward on both
+    # compilers holds the inputs of every layer it recomputes (seed 80's `CL` unit under `full`).
     inputs = run.cfg.num_hidden_layers * block_input_bytes(run)
     if run.remat == "full":
         return inputs
@@ -240,21 +237,13 @@ def stored_per_token(run: Workload, s: Share) -> float:
 def ring_recomputed_per_token(run: Workload, s: Share) -> float:
     """Per token, what a block's experts do not keep under TSP: their gate, up and activation
     outputs (`dispatch`× rows of 3W). The ring's `custom_vjp` saves only the tokens and the rank's
-    own slices and runs the ring again in the backward, recomputing them slice by slice
-    (`parallel/tsp_experts.py`), so no layer's are kept (seed 64 under `expert 2 x tsp 2 x
-    sequence 2`, no remat: the forward's stacks hold the sorted rows and the output, no
-    [layers, rows, 2·W] one). The backward holds them as it remakes them (`working_set_per_token`
-    keeps the whole block). Of the drawn CPU layouts without remat under TSP (median 0.93 of the
-    prediction) 4 more within 10% (seeds 15, 25, 64, 114: 0.87–0.89 → 0.94–1.01), none fewer. Not
-    where an iteration unrolls several layers (`train.scan_unroll`): XLA:CPU then remakes every
-    unrolled layer's ring activations before the first backward, as it recomputes their attention
-    (`tiny_cpu`, four layers an iteration: its 15 TSP layouts 1.04–1.21 of the prediction with them
-    off, and 44 of 44 within 10% with them kept).
-    XLA:CPU's only for now: on 8 deviceless H100s the forward keeps none either (seed 25 under
-    `data 2 x expert 2 x tsp 2`: [2, rows, H] stacks only), but the backward holds the ring's
-    recomputed activations (four fp32 [rows, 2·I/D] buffers) beyond the one block the GPU's working
-    set prices, which the kept ones had stood in for: off there, seed 25 goes 0.99 → 1.21 and the
-    GPU sets lose 5 of 105 layouts."""
+    own slices and recomputes the rest slice by slice in the backward (`parallel/tsp_experts.py`;
+    seed 64 under `expert 2 x tsp 2 x sequence 2`, no remat: no [layers, rows, 2·W] stack); the
+    backward holds them as it remakes them (`working_set_per_token` keeps the whole block).
+    XLA:CPU's only: where an iteration unrolls several layers (`train.scan_unroll`) XLA:CPU remakes
+    every unrolled layer's ring activations before the first backward (`tiny_cpu`), and a GPU's
+    compiler holds them in the backward beyond the one block its working set prices, which the kept
+    ones stand in for (seed 25 on 8 deviceless H100s)."""
     if s.ring == 1 or run.hw.target != "cpu" or run.scan_unroll > 1:
         return 0.0
     return s.dispatch * expert_outputs_per_row(run, s)
@@ -274,32 +263,20 @@ def unrolled_probabilities(run: Workload, s: Share) -> float:
 def working_set_per_token(run: Workload, s: Share) -> float:
     """Per token, what the backward of one scan iteration holds beside what the blocks keep.
 
-    Without remat nothing is recomputed (the block's activations are among the kept ones): the
-    backward holds their gradients, on a GPU one block's (8 deviceless H100s: 4 more of the 36
-    held-out drawn layouts within 10%, 2 fewer of the 12 development ones at ZAYA1-like widths), on
-    XLA:CPU one block's per layer of the pattern's unit, since the checkpoint wraps the scan's
-    body, the whole unit (`model/layer_stack.run_blocks`; one CPU device, 4 layers of hidden 512:
-    1.04 of the unit as `C`, 1.07 as `LC`). A layer scan of one iteration is no loop to XLA (its
-    simplifier inlines the body): the backward then reads the kept activations in place and reuses
-    their buffers as they die. Half as much there (XLA's median on the drawn shapes with one such
-    scan: 0.35 blocks on the H100 build). Not when that iteration unrolls several units
-    (`train.scan_unroll`, `tiny_cpu`'s four blocks): XLA:CPU holds a whole block's gradients
-    there (`tiny_cpu` under `fsdp 8`: 4.7 MiB of working set against 3.3 priced with the half;
-    the 44-layout sweep 2 → 22 within 10%). Where the scan loops, the `xla` attention's backward
-    also copies its probabilities out of the loop's stack (`backward_scores_per_token`).
+    Without remat nothing is recomputed: the backward holds the gradients of the kept activations,
+    one block's on a GPU; on XLA:CPU the pattern unit's (the checkpoint wraps the scan's body,
+    `model/layer_stack.run_blocks`), half that where the layer scan is one iteration of one unit
+    (XLA inlines it, reads the kept activations in place and reuses their buffers as they die), and
+    where the scan loops the attention probabilities copied out of its stack
+    (`backward_scores_per_token`).
 
-    Under a remat policy a GPU holds two blocks, the block recomputed and its activations'
-    gradients, whatever the unit (a median 1.08 of them over 30 hybrid layouts; 0.73 of the unit's
-    blocks plus one), as if it recomputed each layer just before that layer's backward. XLA:CPU
-    recomputes every layer of the unit before the unit's backward and holds them and the gradients
-    as they are made: 1.15 of the unit's blocks (the CPU device above: 1.14 as `C`, 1.18–1.21 as
-    `LC` under `dots` and `full`), of every unit an unrolled iteration runs (`train.scan_unroll`;
-    drawn seeds 106 and 107 under `dots`, 2–3 units an iteration: 1.16–1.53 of XLA's total to the
-    model with one unit, 1.01–1.28 with them), and the recomputed `xla` attention's probabilities
-    and their gradient (`backward_scores_per_token`). Under `moe` the MoE's named tensors are
-    the kept ones, not part of what is recomputed (over the drawn CPU sets 204 → 212 of 264 within
-    10%: ten `moe` layouts XLA held 0.75–0.89 of, now 0.92–1.07; two TSP ones 1.07 → 1.10–1.13).
-    Not measured on a GPU, whose rule stays two blocks."""
+    Under a remat policy a GPU holds two blocks, the block recomputed and its gradients, whatever
+    the unit. XLA:CPU recomputes every layer of the unit (of every unit an unrolled iteration runs)
+    before the unit's backward and holds them with their gradients as they are made:
+    `CPU_RECOMPUTED_UNITS` of the unit's blocks (1.14 as `C`, 1.18–1.21 as `LC`: one CPU device, 4
+    layers of hidden 512), and the recomputed attention's probabilities and their gradient. Under
+    `moe` the MoE's named tensors are kept (`stored_per_token`), not recomputed. Layout by layout:
+    docs/mesh_explorer_log.md."""
     largest = largest_block_per_token(run, s)
     unit = sum(block_bytes_per_token(run, s, kind) for kind in repeating_unit(run.cfg.layer_kinds))
     cpu = run.hw.target == "cpu"
@@ -318,26 +295,14 @@ def working_set_per_token(run: Workload, s: Share) -> float:
 
 def backward_scores_per_token(run: Workload, s: Share) -> float:
     """Per token, the [heads, keys] fp32 probability sets XLA:CPU's backward of an `xla` attention
-    layer holds beyond the one its block counts: 1.5 more, 2.5 at the peak in all.
-
-    Under a remat policy: the probabilities recomputed, their gradient and half a set more (of the
-    zigzag's two query halves). Read off XLA's buffers (a drawn `C` shape under `full`, `data 2 x
-    tsp 4`: five half-sets of 2 MiB where the model had 1.15 sets; the drawn CPU layouts within 10%
-    165 → 168 of 216). Of every CCA layer an iteration of the layer scan runs: XLA:CPU recomputes
-    them all before the first one's backward (seed 178, three `C` layers an unrolled iteration under
-    `full`: 24 MiB of the three layers' probabilities and their gradients at the peak; 1.14–1.18 →
-    0.95–0.99 of the prediction, +3 of 336 drawn CPU layouts, none fewer).
-
-    Without remat, in a layer scan that loops: the layer's kept probabilities copied out of the
-    loop's stacked buffer (a slice the backward's fusions read), their gradient and the half set,
-    the same 2.5 sets (seed 46 under `data 2 x fsdp 2 x sequence 2`, two 64-query halves: two 1 MiB
-    slices, a 1 MiB broadcast and two 1 MiB gradients at the peak, where the block counts one set
-    of 2 MiB; seed 20 under `data 4 x expert 2`, unsplit, peaking in the experts' backward: the
-    slice and a second copy of it already made). A scan of one iteration is no loop: its backward
-    reads the kept buffers in place (`working_set_per_token`). Of the drawn CPU layouts 3 more
-    within 10% (seed 46's two sequence splits 1.11–1.12 → 1.00–1.01), none fewer.
-
-    It decides the peak where the keys outnumber the device's tokens: under TSP and sequence splits."""
+    layer holds beyond the one its block counts: `BACKWARD_SCORES` more, 2.5 at the peak in all:
+    the probabilities (recomputed under a remat policy; without one, copied out of a looping scan's
+    stack), their gradient and half a set more, of the zigzag's two query halves (a drawn `C` shape
+    under `full`, `data 2 x tsp 4`: five half-sets of 2 MiB at the peak). Of every CCA layer an
+    iteration of the layer scan runs: XLA:CPU recomputes them all before the first one's backward
+    (seed 178). None where a scan of one iteration runs without remat: no loop, so the backward reads
+    the kept buffers in place. It decides the peak where the keys outnumber the device's tokens:
+    under TSP and sequence splits."""
     if run.flash_attention or "C" not in run.cfg.layer_kinds:
         return 0.0
     if run.remat == "none" and scan_iterations(run) == 1:
@@ -409,9 +374,8 @@ def schedule_bytes(run: Workload, sizes: dict[str, int], s: Share) -> dict[str, 
     if sizes["fsdp"] > 1 or sizes["tsp"] > 1:
         # One block's dense weights (the next one's prefetched: ×2; the larger kind's), gathered over
         # the axes that split their hidden dimension. The embedding gathered for the loss is the
-        # loss phase's, gone by the blocks' backward (8 H100s, a nearly full HBM: 1 more of 48
-        # drawn layouts within 10%, beside the loss buffers' 3). The experts' gathered weights are
-        # the backward's `block_weights`; TSP's circulate instead.
+        # loss phase's, gone by the blocks' backward (8 H100s scheduling for a nearly full HBM). The
+        # experts' gathered weights are the backward's `block_weights`; TSP's circulate instead.
         dense = max(sum(inventory.local_bytes(g, sizes, ("fsdp", "tsp")) for g in inventory.block_groups(cfg, kind)
                         if g.part != "experts") for kind in MIXERS if kind in kinds)
         out["gathered_weights"] = 2 * dense
@@ -437,12 +401,10 @@ def ring_layers(run: Workload, sizes: dict[str, int]) -> int:
     """Layers whose TSP expert rings the backward holds at once: one, but on XLA:CPU the pattern's
     unit. Every layer's slices (in use and arriving, and the backward ring's gradient accumulators)
     stay from the start of the unit's backward until that layer's: under a remat policy the unit's
-    layers are recomputed together, each with its forward ring, whose slices the backward ring
-    shares (a drawn `LC` shape under `data 4 x tsp 2`, `dots`: 8 slices at the peak, 4 a layer);
-    without remat, in a layer scan that loops, XLA makes each layer's first slices, which read only
-    the weights, before the unit's backward (a `CL` shape under `fsdp 4 x tsp 2`, two units: both
-    layers' rings at the peak; with one unit, no loop, one layer's). Of the 96 drawn CPU layouts 9
-    more within 10%."""
+    layers are recomputed together, each with its forward ring (a drawn `LC` shape under
+    `data 4 x tsp 2`, `dots`: 8 slices at the peak, 4 a layer); without remat, in a layer scan that
+    loops, XLA makes each layer's first slices, which read only the weights, before the unit's
+    backward (with one unit, no loop: one layer's)."""
     if sizes["tsp"] == 1 or run.hw.target != "cpu" or (run.remat == "none" and scan_iterations(run) == 1):
         return 1
     return len(repeating_unit(run.cfg.layer_kinds))
@@ -450,19 +412,12 @@ def ring_layers(run: Workload, sizes: dict[str, int]) -> int:
 
 def stored_weight_bytes(run: Workload, sizes: dict[str, int]) -> float:
     """Copies of every layer's expert and router weights kept for the backward where one iteration
-    of the layer scan runs several layers. A hybrid pattern's unit without remat, in a scan that
-    loops: the body takes each layer's weights out of its rows and the slice is saved (with one
-    layer an iteration the backward reads the stack itself; so does XLA:CPU's where the unit is the
-    whole scan, which it inlines: seeds 17, 45, 75, 113, 114 and 152, eleven layouts 0.82–0.93 →
-    0.85–1.02, while an H200's build keeps them there too: seeds 29 and 45, 1.12–1.21 without them;
-    a remat policy recomputes the slice). The slice is of the rows the device stores, not gathered
-    over fsdp (seed 21, a `CL` unit under `fsdp 4 x tsp 2`: [iterations, 4 of 16 experts, H, W]
-    stacks; 0.85 → 0.97 of XLA's total to the model, four more layouts closer, one of 336 drawn CPU
-    layouts more within 10%). Units unrolled (`train.scan_unroll`): XLA:CPU
-    keeps the forward's gathered and fused copies of every layer's expert weights, under every
-    policy (seed 125, three `C` layers an iteration without remat, 1.42 → 1.13 of XLA's total to the
-    model under `fsdp 2 x tensor 2 x sequence 2` when it was priced; seeds 129–130 under `dots`,
-    1.16–1.39 → 0.93–1.03)."""
+    of the layer scan runs several layers. A hybrid unit without remat, in a scan that loops (on a
+    GPU's compiler, loop or not): the body takes each layer's weights out of their stack and the
+    slice is saved, of the rows the device stores, not gathered over fsdp (seed 21, a `CL` unit
+    under `fsdp 4 x tsp 2`: [iterations, 4 of 16 experts, H, W] stacks); a remat policy recomputes
+    the slice. Units unrolled (`train.scan_unroll`): XLA:CPU keeps the forward's gathered copies of
+    every layer's expert weights under every policy (seeds 125 and 129–130)."""
     slices_saved = run.remat == "none" and (scan_iterations(run) > 1 or run.hw.target != "cpu")
     if _layers_an_iteration(run) == 1 or not (run.scan_unroll > 1 or slices_saved):
         return 0.0
@@ -478,22 +433,20 @@ def held_rows(run: Workload, sizes: dict[str, int], s: Share) -> tuple[float, fl
 def cpu_kernel_bytes(run: Workload, sizes: dict[str, int], s: Share) -> float:
     """XLA:CPU's form of `ragged_dot` (the `xla` grouped matmul compiled for a CPU device) multiplies
     every row by every local expert through masked operands, [local experts, rows, K] and flattened
-    [rows, experts·K]. At the backward's peak, per (expert, row), in fp32 values (W the width one
-    pass computes: a TSP ring step's slice): the down product's backward holds its masked cotangent
-    twice (2H) beside the masked inputs the forward kept for the weight gradients (H for gate/up, W
-    for down) and their mask (a byte per H), of one layer, or where the scan's iteration unrolls
-    several units of every layer it runs (`train.scan_unroll`; the iteration's forward, or under
-    remat its recomputation, makes all of them before the first layer's backward: read off XLA:CPU's
-    buffers: `tiny_cpu`'s four unrolled layers exactly on 27 of its 44 layouts, 0.67–0.89 of it on
-    the expert splits, which peak where some are dead; a drawn `CL` shape under `dots`, two units an
-    iteration, four layers' inputs at the peak); the gate/up backward its
-    masked cotangent twice (2·2W), the down's masked input, its own twice (2H) and the mask. The
-    larger of the two. Without a ring the scan step's layer count changes the gate/up backward:
-    with one layer a step the down's masked input, the mask and one copy of its own are dead by
-    then, 4W + H (exactly, on 26 drawn CPU layouts of pattern `C`, where the larger form
-    over-counted by a quarter); with several, at narrow widths (tensor splits) another layer's
-    masked inputs are live beside it, 4H + 2W (exactly on three drawn hybrid layouts; XLA 2–9% above
-    it on four under `full`). No GPU kernel has them."""
+    [rows, experts·K]. At the experts' backward, per (local expert, row), in fp32 values (W the width
+    one pass computes: a TSP ring step's slice), the larger of two forms:
+
+    * the down product's backward: its masked cotangent twice (2H) beside the masked inputs the
+      forward kept for the weight gradients (H for gate/up, W for down) and their mask (a byte per
+      H), of one layer, or of every layer an unrolled iteration runs (`train.scan_unroll`: made
+      before the first layer's backward);
+    * the gate/up backward: its masked cotangent twice (2·2W), the down's masked input, its own
+      twice (2H) and the mask. Without a ring, with one layer a scan step, the down's masked input,
+      the mask and one copy of its own are dead by then (4W + H); with several, another layer's
+      masked inputs are live beside it (4H + 2W).
+
+    Read off XLA:CPU's buffers (`tiny_cpu`'s sweep, the drawn `C` and hybrid layouts). No GPU
+    kernel has them."""
     if not _cpu_ragged_dot(run):
         return 0.0
     rows, local_experts = held_rows(run, sizes, s)
@@ -508,15 +461,12 @@ def cpu_kernel_bytes(run: Workload, sizes: dict[str, int], s: Share) -> float:
 
 
 def consumed_by_cpu_kernel_per_token(run: Workload, s: Share) -> float:
-    """Per token, what the layer whose backward peaks no longer keeps of its experts' activations on
-    XLA:CPU: in a layer scan that is no loop (one iteration, which XLA inlines) the masked operands
-    `ragged_dot`'s CPU form builds for the backward (`cpu_kernel_bytes`) are made from the kept
-    sorted rows and gate/up/down outputs, which then die. In a scan that loops they are slices of
-    the stacked buffer the loop carries to its end, and stay. Without remat (what `stored_per_token`
-    keeps of the experts; `dots` and `full` keep none); under `moe` XLA keeps the named ones (two
-    drawn TSP layouts 1.09–1.13 of the prediction without them). Of the drawn CPU layouts 7 more
-    within 10% (seed 97 under `expert 8`: 0.81 → 1.03 of XLA's total to the model), none fewer;
-    `tiny_cpu`'s 44 of 44 stay (0.95–1.08)."""
+    """Per token, what the layer whose backward peaks no longer keeps of its experts' activations
+    on XLA:CPU without remat: in a layer scan that is no loop (one iteration, which XLA inlines) the
+    masked operands `cpu_kernel_bytes` counts are made from the kept sorted rows and gate/up/down
+    outputs, which then die (seed 97 under `expert 8`). In a scan that loops they are slices of the
+    stacked buffer the loop carries to its end, and stay. `dots` and `full` keep none of them;
+    under `moe` XLA keeps the named ones."""
     if not _cpu_ragged_dot(run) or scan_iterations(run) > 1 or run.remat != "none":
         return 0.0
     return moe_bytes(run, s)["experts"] - ring_recomputed_per_token(run, s)  # what the layer kept
