@@ -103,8 +103,7 @@ def main(argv=None) -> int:
         fitting, _ = candidates(run)
         for sizes in random.Random(seed).sample(fitting, min(args.layouts, len(fitting))):
             start = time.perf_counter()
-            with _kernels_for(hw):
-                got = compile_layout(CONFIG, overrides, sizes, devices[:8], terms=True)
+            got = compile_layout(CONFIG, overrides, sizes, devices[:8], terms=True)  # kernels for the devices
             if "error" in got:
                 print(f"seed {seed} {describe(sizes)}: {got['error']}", flush=True)
                 continue
@@ -186,22 +185,15 @@ def _sizes(layout: str) -> dict[str, int]:
 
 
 def _deviceless_gpus(path: str) -> list:
-    """8 compile-only CUDA devices of the GPU `path` describes (an XLA GPU target config, text proto)."""
-    from jax.experimental import topologies
+    """8 compile-only CUDA devices of the GPU `path` describes (an XLA GPU target config, text proto),
+    scheduled as if their memory were nearly full (`_pressed`)."""
+    from zaya_jax.errors import ZayaError
+    from zaya_jax.explore import deviceless
 
     try:
-        with open(path, encoding="utf-8") as f:
-            config = f.read()
-    except OSError as e:
-        _fail(f"--gpu-target {path}: {e.strerror}")
-    config = _pressed(config)
-    try:
-        return list(topologies.get_topology_desc(platform="cuda", target_config=config, topology="1x1x8").devices)
-    except NotImplementedError:
-        _fail("--gpu-target needs JAX's CUDA plugin for this jax: pip install \"jax[cuda12]==<this jax's version>\" "
-              "(a venv of its own: see the top of this file)")
-    except Exception as e:  # XLA's parse or topology error: its first line says which
-        _fail(f"--gpu-target {path}: XLA refused it as a GPU target config ({str(e).strip().splitlines()[0]})")
+        return deviceless.gpu_devices(_pressed(deviceless.read_target(path)), 1, 8, path)
+    except ZayaError as e:
+        _fail(str(e))
 
 
 def _pressed(config: str) -> str:

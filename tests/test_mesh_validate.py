@@ -14,11 +14,13 @@ from zaya_jax.explore.against_xla import compiled_overrides, validate
 from zaya_jax.explore.workload import Workload
 from zaya_jax import hardware
 from zaya_jax.errors import ZayaError
+from zaya_jax.kernels.registry import DEFAULTS
 from meshes import mesh_sizes
 from zaya_process import zaya
 from paths import TINY
 from xla_test_flags import jaxlib_minor
 
+H100_TARGET = "benchmarks/gpu_targets/h100_sxm.txtpb"  # an XLA GPU target config (explore/deviceless.py)
 SMALL = ["--config.train.seq_len=64", "--config.train.global_batch_size=8", "--config.model.num_hidden_layers=2"]
 WIDE = SMALL + ["--config.model.hidden_size=256", "--config.model.num_attention_heads=8", "--config.model.head_dim=32",
                 "--config.model.num_experts=8", "--config.model.moe_intermediate_size=256",
@@ -97,6 +99,11 @@ def test_cli_validate_reports_xla_bytes(tmp_path):
     (["--hardware=h100", "--json=/nonexistent/layouts.json"], "cannot write /nonexistent/layouts.json: folder"),
     (["--hardware=h100", "--collectives=/nonexistent.json"], "does not exist"),
     (["--hardware=h100", "--config.mesh.dta=2"], "unknown config key"),
+    (["--hardware=h100", f"--gpu-target={H100_TARGET}"], "--gpu-target is the compiler --validate compiles with; add"),
+    (["--hardware=mi300x", "--validate", f"--gpu-target={H100_TARGET}"],
+     "--gpu-target compiles for NVIDIA GPUs; --hardware mi300x is not one"),
+    (["--hardware=h100", "--validate", "--gpu-target=/nonexistent.txtpb"],
+     "--gpu-target /nonexistent.txtpb: No such file or directory"),
     (["--hardware=cpu", "--gpus-per-node=1", "--config.model.hidden_size=4096", "--config.model.num_hidden_layers=24",
       "--config.model.moe_intermediate_size=4096",
       "--config.model.vocab_size=262272"], r"fits on no layout of 1 x 1 cpu: .* GiB \(\d+%\) more than"),
@@ -372,3 +379,50 @@ def test_a_looping_layer_scan_copies_the_probabilities_its_backward_reads_out_of
         assert len(sliced) == 1 and len(copied) == 2
         assert priced == memory.BACKWARD_SCORES * one_set
         assert len(copied) * one_set <= one_set + priced  # the block's set and the added ones cover them
+
+
+def _cuda_plugin() -> bool:
+    import importlib.util
+
+    try:
+        return importlib.util.find_spec("jax_plugins.xla_cuda12") is not None
+    except ModuleNotFoundError:  # no jax_plugins at all
+        return False
+
+
+@pytest.mark.skipif(_cuda_plugin(), reason="JAX's CUDA plugin is installed here: the target compiles")
+def test_gpu_target_without_jaxs_cuda_plugin_says_what_to_install():
+    result = zaya("mesh", f"--config={TINY}", "--hardware=h100", "--top=1", "--validate", f"--gpu-target={H100_TARGET}")
+    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr[-2000:]
+    assert result.stderr.strip().splitlines()[-1] == (
+        'zaya: error: --gpu-target needs JAX\'s CUDA plugin for this jax: pip install "jax[cuda12]==<this jax\'s '
+        'version>" (no GPU or driver is needed)')
+
+
+@pytest.mark.skipif(not _cuda_plugin(), reason="needs JAX's CUDA plugin (no GPU): pip install jax[cuda12]")
+def test_gpu_target_compiles_the_layouts_for_gpus_this_machine_does_not_have(tmp_path):
+    """On a CPU-only machine with the plugin: XLA's GPU compiler builds the step of each shown layout
+    for 8 H100s, with the GPU kernels (Pallas through Triton); the state bytes are the prediction's."""
+    out = tmp_path / "layouts.json"
+    result = zaya("mesh", f"--config={TINY}", "--hardware=h100", "--top=2", "--validate", f"--gpu-target={H100_TARGET}",
+                  f"--json={out}", *SMALL)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "XLA: compiled for 8 NVIDIA H100 80GB HBM3 without them" in result.stdout
+    validated = [r for r in json.loads(out.read_text()) if "xla" in r]
+    assert len(validated) == 2 and all("error" not in r["xla"] for r in validated)
+    # The GPU's own experts kernel (Pallas), not the `xla` grouped matmul a CPU validation compiles.
+    assert {r["xla"]["kernels"]["grouped_matmul"] for r in validated} == {DEFAULTS["cuda"]["grouped_matmul"]} != {"xla"}
+    for r in validated:  # parameters + optimizer state (+ the inputs) as the prediction has them
+        state = r["predicted"]["param_bytes"] + r["predicted"]["optimizer_bytes"]
+        assert r["xla"]["argument_bytes"] == pytest.approx(state, rel=0.02), r["layout"]
+
+
+@pytest.mark.skipif(not _cuda_plugin(), reason="needs JAX's CUDA plugin (no GPU): pip install jax[cuda12]")
+@pytest.mark.parametrize("args, words", [
+    (["--hardware=h200"], "describes NVIDIA H100 80GB HBM3 (h100), not --hardware h200"),
+    (["--hardware=h100", "--gpu-target=README.md"], "--gpu-target README.md: XLA refused it as a GPU target config"),
+])
+def test_gpu_target_refusals_that_need_the_plugin_are_one_line(args, words):
+    result = zaya("mesh", f"--config={TINY}", "--top=1", "--validate", f"--gpu-target={H100_TARGET}", *args)
+    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr[-2000:]
+    assert words in result.stderr.strip().splitlines()[-1], result.stderr[-2000:]

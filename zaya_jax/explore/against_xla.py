@@ -1,14 +1,15 @@
 """Check predictions against XLA: compile the real train step of a layout from abstract shapes.
 
 Nothing is allocated: `train/program.Program.compile_train_step` lowers the step for shapes with
-the layout's shardings on (fake) local devices, and XLA's memory analysis gives per-device
-argument bytes (parameters, optimizer state, inputs: the prediction's exact part) and temporary
-bytes (activations, gradients, buffers: the modelled part). On CPU XLA's temporaries are a proxy
-for a GPU's: the CPU compiler lowers `ragged_dot` densely and keeps more fp32 copies. The experts
-compile with the `xla` grouped matmul (`ragged_dot`, whose GPU form XLA emits too) unless the
-overrides name one: the CPU default, `tiled`, keeps per-tile copies of the rows and weights that
-no GPU kernel has (with them, XLA's total for tiny_cpu under `data 8` is 1.7x the modelled one).
-"""
+the layout's shardings on the devices given (fake CPU devices, a job's own, or compile-only GPUs:
+`explore/deviceless.py`), and XLA's memory analysis gives per-device argument bytes (parameters,
+optimizer state, inputs: the prediction's exact part) and temporary bytes (activations, gradients,
+buffers: the modelled part). On CPU XLA's temporaries are a proxy for a GPU's: the CPU compiler
+lowers `ragged_dot` densely and keeps more fp32 copies. On CPU devices the experts compile with the
+`xla` grouped matmul (`ragged_dot`, whose GPU form XLA emits too) unless the overrides name one: the
+CPU default, `tiled`, keeps per-tile copies of the rows and weights that no GPU kernel has (with
+them, XLA's total for tiny_cpu under `data 8` is 1.7x the modelled one). On GPUs the run's own
+kernels compile."""
 
 from __future__ import annotations
 
@@ -19,16 +20,17 @@ from zaya_jax.errors import ZayaError
 from zaya_jax.explore import xla_terms
 
 
-def compiled_overrides(overrides: list[str]) -> list[str]:
+def compiled_overrides(overrides: list[str], on_cpu: bool = True) -> list[str]:
     """The overrides a validated step compiles with (and the prediction it is held against is made
-    for): the experts on the `xla` grouped matmul unless they name one."""
-    kernel = [] if any("model.moe_kernel" in o for o in overrides) else ["--config.model.moe_kernel=xla"]
-    return kernel + list(overrides)
+    for): on CPU devices the experts on the `xla` grouped matmul unless they name one; on GPUs the
+    run's own kernels."""
+    named = any("model.moe_kernel" in o for o in overrides)
+    return (["--config.model.moe_kernel=xla"] if on_cpu and not named else []) + list(overrides)
 
 
 def memory_report(program, terms: bool = False, keep: str | None = None, largest: int = 0) -> dict:
-    """Compile the program's train step; its per-device memory analysis and compile time (in all, and
-    per phase: trace, lower, XLA compile); with `terms`, its bytes at the peak by explorer term
+    """Compile the program's train step; its per-device memory analysis, compile time (in all, and
+    per phase: trace, lower, XLA compile) and the kernel backends it was built with; with `terms`, its bytes at the peak by explorer term
     (`xla_terms`), XLA's reports left in `keep` if given, and the `largest` buffers at the peak
     (bytes, shape, opcode, op name)."""
     if terms:
@@ -41,7 +43,7 @@ def memory_report(program, terms: bool = False, keep: str | None = None, largest
     mem = compiled.memory_analysis()
     report = {"argument_bytes": int(mem.argument_size_in_bytes), "output_bytes": int(mem.output_size_in_bytes),
               "alias_bytes": int(mem.alias_size_in_bytes), "temp_bytes": int(mem.temp_size_in_bytes),
-              "compile_s": round(sum(phases.values()), 1), "phases": phases}
+              "compile_s": round(sum(phases.values()), 1), "phases": phases, "kernels": program.kernels()}
     if terms:
         report["terms"] = by_term
     if terms and largest:
@@ -51,16 +53,21 @@ def memory_report(program, terms: bool = False, keep: str | None = None, largest
 
 
 def compile_layout(config_path: str, overrides: list[str], layout: dict[str, int], devices, terms: bool = False) -> dict:
-    """XLA's numbers for one layout, or {"error": why} when the step cannot be built here."""
+    """XLA's numbers for one layout, or {"error": why} when the step cannot be built here. The
+    kernels are built for the devices' target (a deviceless GPU's on this CPU host too)."""
     from zaya_jax.experiment import load_experiment
+    from zaya_jax.kernels.registry import device_target, targeting
     from zaya_jax.train.program import build_program
 
     mesh = [f"--config.mesh.{axis}={size}" for axis, size in layout.items()]
-    try:
-        program = build_program(load_experiment(config_path, compiled_overrides(overrides) + mesh), devices)
-    except ZayaError as e:
-        return {"error": str(e)}
-    return memory_report(program, terms)
+    target = device_target(devices[0])
+    with targeting(target):
+        try:
+            exp = load_experiment(config_path, compiled_overrides(overrides, on_cpu=target == "cpu") + mesh)
+            program = build_program(exp, devices)
+        except ZayaError as e:
+            return {"error": str(e)}
+        return memory_report(program, terms)
 
 
 def validate(config_path: str, overrides: list[str], layouts: list[dict[str, int]], progress=print,

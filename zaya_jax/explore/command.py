@@ -26,7 +26,10 @@ The JSON (--json) is a list, one object per layout: layout, fits, predicted {par
 optimizer_bytes, activation_bytes, total_bytes, step_time_s, mfu, ...}, and with --validate
 xla {argument_bytes, temp_bytes, ..., with --terms terms {parameters, gradients, ...}}. --validate compiles the real train step of the shown layouts
 that fit, from abstract shapes, on nodes x gpus-per-node fake CPU devices (at most 64); run under
-`zaya launch` or srun (a multi-process job) it compiles on the job's own devices instead."""
+`zaya launch` or srun (a multi-process job) it compiles on the job's own devices instead; with
+--gpu-target FILE (an XLA GPU target config, e.g. benchmarks/gpu_targets/h100_sxm.txtpb) it compiles
+for nodes x gpus-per-node of those GPUs on this machine, without them, with XLA's GPU compiler (needs
+JAX's CUDA plugin beside this jax: pip install "jax[cuda12]==<its version>"; no GPU or driver)."""
 
 
 def add_parser(jobs) -> None:
@@ -54,6 +57,8 @@ def add_parser(jobs) -> None:
     p.add_argument("--validate", action="store_true", help="compile the shown layouts that fit and report XLA's bytes")
     p.add_argument("--terms", action="store_true",
                    help="with --validate: each memory term predicted against XLA's buffers at the step's peak")
+    p.add_argument("--gpu-target", metavar="FILE", help="with --validate: compile for the GPUs this XLA target config "
+                   "describes, here, without them (see below)")
 
 
 def _check_numbers(args) -> None:
@@ -63,6 +68,14 @@ def _check_numbers(args) -> None:
             raise ZayaError(f"{flag} must be a positive integer, got {value}")
     if args.terms and not args.validate:
         raise ZayaError("--terms compares the prediction with XLA's compiled step; add --validate")
+    if args.gpu_target and not args.validate:
+        raise ZayaError("--gpu-target is the compiler --validate compiles with; add --validate")
+    if args.gpu_target:
+        from zaya_jax import hardware
+
+        if hardware.profile(args.hardware).target != "cuda":
+            raise ZayaError(f"--gpu-target compiles for NVIDIA GPUs; --hardware {args.hardware} is not one "
+                            "(h100 | h200)")
     if args.top < 0:
         raise ZayaError(f"--top must be 0 (all) or a positive count, got {args.top}")
     if args.plot and not args.plot.lower().endswith(".png"):
@@ -81,6 +94,11 @@ def _validation_devices(args):
 
     n = args.nodes * args.gpus_per_node
     topology = startup.start(startup.settings_from(args))  # alone, it starts nothing (no JAX backend)
+    if args.gpu_target:
+        if topology.process_count > 1:
+            raise ZayaError("--gpu-target compiles without the GPUs, in one process; run zaya mesh alone, "
+                            "not under zaya launch or srun")
+        return _deviceless_devices(args)
     if topology.process_count == 1:
         if n > MAX_VALIDATE_DEVICES:
             raise ZayaError(f"--validate compiles on {n} fake CPU devices here; ask for at most "
@@ -93,6 +111,21 @@ def _validation_devices(args):
     if len(devices) != n:
         raise ZayaError(f"--validate in this {topology.process_count}-process job compiles on its {len(devices)} "
                         f"devices; ask for --nodes x --gpus-per-node = {len(devices)}")
+    return devices
+
+
+def _deviceless_devices(args) -> list:
+    """The --gpu-target's GPUs, nodes x gpus-per-node, for --hardware's own device."""
+    from zaya_jax import hardware
+    from zaya_jax.explore import deviceless
+
+    config = deviceless.read_target(args.gpu_target)
+    deviceless.use_cpu_host()
+    devices = deviceless.gpu_devices(config, args.nodes, args.gpus_per_node, args.gpu_target)
+    found = hardware.detect(devices[0])
+    if found is None or found.name != args.hardware:
+        raise ZayaError(f"--gpu-target {args.gpu_target} describes {devices[0].device_kind} "
+                        f"({found.name if found else 'no hardware profile'}), not --hardware {args.hardware}")
     return devices
 
 
@@ -134,7 +167,8 @@ def mesh_command(args, overrides: list[str]) -> int:
     if args.global_batch:
         overrides.append(f"--config.train.global_batch_size={args.global_batch}")
     # Validated, the prediction is made for the kernels the validation compiles.
-    exp = load_experiment(args.config, compiled_overrides(overrides) if args.validate else overrides)
+    on_cpu = devices is None or devices[0].platform == "cpu"  # fake CPU devices, or the job's own
+    exp = load_experiment(args.config, compiled_overrides(overrides, on_cpu) if args.validate else overrides)
     if args.host:
         hw = hardware.measured(hw, args.host, exp.model.compute_dtype)
     question = Workload.from_experiment(exp, hw, args.nodes, args.gpus_per_node)
@@ -161,6 +195,9 @@ def mesh_command(args, overrides: list[str]) -> int:
     print(report.table(shown, xla))
     if xla is not None and devices is None and (note := report.compiler_note(_jax_version())):
         print(note)
+    if args.gpu_target:
+        print(f"XLA: compiled for {len(devices)} {devices[0].device_kind} without them (--gpu-target "
+              f"{args.gpu_target}): XLA's GPU compiler and kernels, nothing run")
     if args.terms:
         print("\nMemory per device by term, predicted against XLA's buffers at the step's peak:")
         print(report.terms_table(shown, xla))
