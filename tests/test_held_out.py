@@ -137,6 +137,16 @@ def test_reattributing_a_missing_report_is_one_line_and_exit_2():
     assert done.stderr.strip().count("\n") == 0 and "/nonexistent.json: not a drawn-shapes report" in done.stderr
 
 
+def test_reattributing_a_deviceless_gpu_report_without_its_target_skips_it_untouched(tmp_path):
+    path = tmp_path / "report.json"
+    path.write_text(open(os.path.join(ROOT, "benchmarks", "explorer_drawn_shapes_h100_seeds24_35.json")).read())
+    stored = path.read_text()
+    done = _reattribute(str(path))
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "skipped (deviceless GPUs scheduled as if nearly full need --gpu-target" in done.stderr
+    assert path.read_text() == stored
+
+
 @pytest.mark.slow
 def test_reattributing_a_row_whose_program_changed_stops_or_marks_it_recompiled(tmp_path):
     """`tools/reattribute_drawn.py` only re-reads XLA's buffers of an unchanged program: a stored
