@@ -424,7 +424,7 @@ def test_layouts_within_the_measured_underestimate_of_the_limit_are_tight_and_ra
     cells = report.table(tight[:1] + sure[:1] + preds[-1:]).splitlines()[1:]
     assert [re.search(r"\s(tight|yes|no)\s", line).group(1) for line in cells] == ["tight", "yes", "no"]
     assert "check it with --validate" in report.tight_note(tight[0], tight_run)
-    assert "1.25x" in report.tight_note(tight[0], tight_run) and report.tight_note(sure[0], tight_run) == ""
+    assert f"{memory.UNDERESTIMATE['gpu']:.2f}x" in report.tight_note(tight[0], tight_run) and report.tight_note(sure[0], tight_run) == ""
     assert tight[0].to_json()["tight"] and not sure[0].to_json()["tight"]
 
 

@@ -63,7 +63,7 @@ HEADROOM = 0.10
 # on 8 fake CPUs, XLA's GPU compiler for 8 deviceless H100s scheduling for a nearly full HBM (ROCm's
 # shares its scheduler). XLA has needed this much more than the prediction; a layout predicted
 # within it of the limit may not fit.
-UNDERESTIMATE = {"cpu": 1.33, "gpu": 1.25}
+UNDERESTIMATE = {"cpu": 1.33, "gpu": 1.23}
 # The jax whose XLA:CPU the CPU-fitted terms (the unit's rings, the backward's working set, the
 # `cpu` underestimate) were read on; another version's XLA:CPU schedules the step differently
 # (docs/mesh_explorer.md, "The XLA these numbers were read on").
