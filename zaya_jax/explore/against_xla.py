@@ -30,9 +30,9 @@ def compiled_overrides(overrides: list[str], on_cpu: bool = True) -> list[str]:
 
 def memory_report(program, terms: bool = False, keep: str | None = None, largest: int = 0) -> dict:
     """Compile the program's train step; its per-device memory analysis, compile time (in all, and
-    per phase: trace, lower, XLA compile) and the kernel backends it was built with; with `terms`, its bytes at the peak by explorer term
-    (`xla_terms`), XLA's reports left in `keep` if given, and the `largest` buffers at the peak
-    (bytes, shape, opcode, op name)."""
+    per phase: trace, lower, XLA compile) and the kernel backends it was built with; with `terms`,
+    its bytes at the peak by explorer term (`xla_terms`), XLA's reports left in `keep` if given,
+    and the `largest` buffers at the peak (bytes, shape, opcode, op name)."""
     if terms:
         with xla_terms.dumping(keep) as (options, read_peak):
             compiled, phases = program.compile_train_step_phases(options)

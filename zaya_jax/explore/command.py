@@ -74,8 +74,9 @@ def _check_numbers(args) -> None:
         from zaya_jax import hardware
 
         if hardware.profile(args.hardware).target != "cuda":
+            nvidia = " | ".join(name for name, p in hardware.PROFILES.items() if p.target == "cuda")
             raise ZayaError(f"--gpu-target compiles for NVIDIA GPUs; --hardware {args.hardware} is not one "
-                            "(h100 | h200)")
+                            f"({nvidia})")
     if args.top < 0:
         raise ZayaError(f"--top must be 0 (all) or a positive count, got {args.top}")
     if args.plot and not args.plot.lower().endswith(".png"):
