@@ -1,6 +1,7 @@
 """`zaya mesh` against XLA and end to end: predicted parameter + optimizer bytes per device are
 within 2% of the compiled train step's argument bytes, for two model sizes on 8 fake devices;
-the CLI's table, JSON and plot; every bad input is one line and exit status 2."""
+the CLI's table, JSON and plot; every bad input is one line and exit status 2; `--gpu-target`
+compiles for GPUs this machine does not have (where JAX's CUDA plugin is installed)."""
 
 import dataclasses
 import json
@@ -426,3 +427,18 @@ def test_gpu_target_refusals_that_need_the_plugin_are_one_line(args, words):
     result = zaya("mesh", f"--config={TINY}", "--top=1", "--validate", f"--gpu-target={H100_TARGET}", *args)
     assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr[-2000:]
     assert words in result.stderr.strip().splitlines()[-1], result.stderr[-2000:]
+
+
+def test_gpu_target_in_a_multi_process_job_is_refused_before_compiling(monkeypatch):
+    """Deviceless GPUs are compiled for in one process; under `zaya launch` or srun each process
+    would compile every layout for nothing."""
+    import types
+
+    from zaya_jax.cluster import startup
+    from zaya_jax.explore import command
+
+    monkeypatch.setattr(startup, "start", lambda settings: types.SimpleNamespace(process_count=2))
+    monkeypatch.setattr(startup, "settings_from", lambda args: None)
+    args = types.SimpleNamespace(nodes=1, gpus_per_node=8, gpu_target=H100_TARGET, hardware="h100")
+    with pytest.raises(ZayaError, match="--gpu-target compiles without the GPUs, in one process; run zaya mesh alone"):
+        command._validation_devices(args)
