@@ -9,7 +9,7 @@ import subprocess
 import sys
 
 import pytest
-from xla_test_flags import xla_flags
+from xla_test_flags import cuda_plugin_installed, xla_flags
 
 from zaya_jax import hardware
 from zaya_jax.experiment import load_experiment
@@ -61,9 +61,7 @@ def test_gpu_widths_are_the_same_draw_scaled_and_fit_8_h100s():
     (["--gpu-target=benchmarks/gpu_targets/h100_sxm.txtpb"], "--gpu-target needs JAX's CUDA plugin for this jax"),
 ])
 def test_the_drawn_shapes_benchmarks_bad_inputs_are_one_line_and_exit_2(tmp_path, args, words):
-    import importlib.util
-
-    if "CUDA plugin" in words and importlib.util.find_spec("jax_plugins") is not None:
+    if "CUDA plugin" in words and cuda_plugin_installed():
         pytest.skip("a JAX plugin is installed here: the target config may compile")
     done = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "explorer_drawn_shapes.py"),
                            f"--out={tmp_path / 'out.json'}", *args], capture_output=True, text=True, cwd=ROOT,

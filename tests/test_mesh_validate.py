@@ -19,7 +19,7 @@ from zaya_jax.kernels.registry import DEFAULTS
 from meshes import mesh_sizes
 from zaya_process import zaya
 from paths import TINY
-from xla_test_flags import jaxlib_minor
+from xla_test_flags import cuda_plugin_installed, jaxlib_minor
 
 H100_TARGET = "benchmarks/gpu_targets/h100_sxm.txtpb"  # an XLA GPU target config (explore/deviceless.py)
 SMALL = ["--config.train.seq_len=64", "--config.train.global_batch_size=8", "--config.model.num_hidden_layers=2"]
@@ -382,16 +382,7 @@ def test_a_looping_layer_scan_copies_the_probabilities_its_backward_reads_out_of
         assert len(copied) * one_set <= one_set + priced  # the block's set and the added ones cover them
 
 
-def _cuda_plugin() -> bool:
-    import importlib.util
-
-    try:
-        return importlib.util.find_spec("jax_plugins.xla_cuda12") is not None
-    except ModuleNotFoundError:  # no jax_plugins at all
-        return False
-
-
-@pytest.mark.skipif(_cuda_plugin(), reason="JAX's CUDA plugin is installed here: the target compiles")
+@pytest.mark.skipif(cuda_plugin_installed(), reason="JAX's CUDA plugin is installed here: the target compiles")
 def test_gpu_target_without_jaxs_cuda_plugin_says_what_to_install():
     result = zaya("mesh", f"--config={TINY}", "--hardware=h100", "--top=1", "--validate", f"--gpu-target={H100_TARGET}")
     assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr[-2000:]
@@ -400,7 +391,7 @@ def test_gpu_target_without_jaxs_cuda_plugin_says_what_to_install():
         'version>" (no GPU or driver is needed)')
 
 
-@pytest.mark.skipif(not _cuda_plugin(), reason="needs JAX's CUDA plugin (no GPU): pip install jax[cuda12]")
+@pytest.mark.skipif(not cuda_plugin_installed(), reason="needs JAX's CUDA plugin (no GPU): pip install jax[cuda12]")
 def test_gpu_target_compiles_the_layouts_for_gpus_this_machine_does_not_have(tmp_path):
     """On a CPU-only machine with the plugin: XLA's GPU compiler builds the step of each shown layout
     for 8 H100s, with the GPU kernels (Pallas through Triton); the state bytes are the prediction's."""
@@ -418,7 +409,7 @@ def test_gpu_target_compiles_the_layouts_for_gpus_this_machine_does_not_have(tmp
         assert r["xla"]["argument_bytes"] == pytest.approx(state, rel=0.02), r["layout"]
 
 
-@pytest.mark.skipif(not _cuda_plugin(), reason="needs JAX's CUDA plugin (no GPU): pip install jax[cuda12]")
+@pytest.mark.skipif(not cuda_plugin_installed(), reason="needs JAX's CUDA plugin (no GPU): pip install jax[cuda12]")
 @pytest.mark.parametrize("args, words", [
     (["--hardware=h200"], "describes NVIDIA H100 80GB HBM3 (h100), not --hardware h200"),
     (["--hardware=h100", "--gpu-target=README.md"], "--gpu-target README.md: XLA refused it as a GPU target config"),

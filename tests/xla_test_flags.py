@@ -27,3 +27,13 @@ if jaxlib_minor() < (0, 11):
 def xla_flags(devices: int, base: str = TEST_XLA_FLAGS) -> str:
     """XLA_FLAGS for a test's child process with `devices` fake CPU devices (and the `base` flags)."""
     return f"{base} --xla_force_host_platform_device_count={devices}".strip()
+
+
+def cuda_plugin_installed() -> bool:
+    """Whether JAX's CUDA plugin is importable here (deviceless GPU compiles then work; CI has none)."""
+    import importlib.util
+
+    try:
+        return importlib.util.find_spec("jax_plugins.xla_cuda12") is not None
+    except ModuleNotFoundError:  # no jax_plugins at all
+        return False

@@ -55,19 +55,17 @@ def memory_report(program, terms: bool = False, keep: str | None = None, largest
 def compile_layout(config_path: str, overrides: list[str], layout: dict[str, int], devices, terms: bool = False) -> dict:
     """XLA's numbers for one layout, or {"error": why} when the step cannot be built here. The
     kernels are built for the devices' target (a deviceless GPU's on this CPU host too)."""
-    from zaya_jax.experiment import load_experiment
-    from zaya_jax.kernels.registry import device_target, targeting
-    from zaya_jax.train.program import build_program
+    from zaya_jax.kernels.registry import device_target
+    from zaya_jax.train.program import program_for_target
 
     mesh = [f"--config.mesh.{axis}={size}" for axis, size in layout.items()]
     target = device_target(devices[0])
-    with targeting(target):
-        try:
-            exp = load_experiment(config_path, compiled_overrides(overrides, on_cpu=target == "cpu") + mesh)
-            program = build_program(exp, devices)
-        except ZayaError as e:
-            return {"error": str(e)}
-        return memory_report(program, terms)
+    try:
+        program = program_for_target(config_path, compiled_overrides(overrides, on_cpu=target == "cpu") + mesh,
+                                     target, devices)
+    except ZayaError as e:
+        return {"error": str(e)}
+    return memory_report(program, terms)
 
 
 def validate(config_path: str, overrides: list[str], layouts: list[dict[str, int]], progress=print,

@@ -158,6 +158,7 @@ def mesh_command(args, overrides: list[str]) -> int:
     from zaya_jax.explore.explorer import explore, fits_nowhere_message
     from zaya_jax.explore.placement import describe
     from zaya_jax.explore.workload import Workload
+    from zaya_jax.kernels.registry import device_target
 
     devices = _validation_devices(args) if args.validate else None
     hw = hardware.profile(args.hardware)
@@ -168,7 +169,8 @@ def mesh_command(args, overrides: list[str]) -> int:
     if args.global_batch:
         overrides.append(f"--config.train.global_batch_size={args.global_batch}")
     # Validated, the prediction is made for the kernels the validation compiles.
-    on_cpu = devices is None or devices[0].platform == "cpu"  # fake CPU devices, or the job's own
+    # Fake CPU devices, or the job's own or --gpu-target's: the kernels `compile_layout` builds for them.
+    on_cpu = devices is None or device_target(devices[0]) == "cpu"
     exp = load_experiment(args.config, compiled_overrides(overrides, on_cpu) if args.validate else overrides)
     if args.host:
         hw = hardware.measured(hw, args.host, exp.model.compute_dtype)
