@@ -33,6 +33,11 @@ JAX's CUDA plugin beside the same jax, best in a venv of its own (it is 5 GB; no
     python -m venv .venv-cuda && .venv-cuda/bin/pip install -e . "jax[cuda12]==$(python -c 'import jax; print(jax.__version__)')"
     .venv-cuda/bin/python benchmarks/explorer_drawn_shapes.py --gpu-target benchmarks/gpu_targets/h100_sxm.txtpb \\
         --first-seed 24 --seeds 12 --out benchmarks/explorer_drawn_shapes_h100_seeds24_35.json
+
+`--widths zaya1` draws at the scale the explorer is for, on top of `experiments/zaya1_base_phase1.py`
+(8–40 layers of 1K–2.5K hidden, 2K–8K tokens, ZAYA1's vocabulary: `explore/held_out.py`), and
+compiles only layouts the explorer says fit the GPU's memory, for the GPU with its own HBM: these
+steps are sized for it, so XLA schedules them as it would a real run's (each compile is 20–40 s here).
 """
 
 from __future__ import annotations
@@ -47,8 +52,8 @@ import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
-CONFIG = os.path.join(ROOT, "experiments", "tiny_cpu.py")
 MIB = 2 ** 20
+SIZED = ", steps sized for their HBM"  # `--widths zaya1`: compiled for the device's own memory
 PRESSED_MEMORY = 2 ** 20  # a deviceless GPU's HBM: XLA schedules as if the step nearly filled it (`_pressed`)
 
 
@@ -61,15 +66,17 @@ def main(argv=None) -> int:
     p.add_argument("--mock-gpus", action="store_true", help="one GPU seen as 8 (compile only; see above)")
     p.add_argument("--gpu-target", metavar="FILE", help="no GPU: compile for 8 GPUs this XLA target config "
                    "describes (deviceless; needs JAX's CUDA plugin, see above)")
-    p.add_argument("--widths", choices=("cpu", "gpu"), default="cpu", help="the draw's sizes: cpu (default; what "
-                   "a CPU compiles in seconds) or gpu (ZAYA1-like, for a GPU's compiler: explore/held_out.py)")
+    p.add_argument("--widths", choices=("cpu", "gpu", "zaya1"), default="cpu", help="the draw's sizes: cpu "
+                   "(default; what a CPU compiles in seconds), gpu (the same draw at ZAYA1-like widths) or zaya1 "
+                   "(ZAYA1-base's neighbourhood, on its experiment); gpu and zaya1 are for a GPU's compiler "
+                   "(explore/held_out.py)")
     p.add_argument("--repredict", metavar="JSON", help="no compile: this file's XLA numbers against the current "
                    "model's predictions, written to --out")
     args = p.parse_args(argv)
     if args.repredict:
         return _repredict(args.repredict, args.out)
-    if args.widths == "gpu" and not (args.gpu_target or args.mock_gpus):
-        _fail("--widths gpu is for a GPU's compiler: add --gpu-target FILE (no GPU) or --mock-gpus (one GPU)")
+    if args.widths != "cpu" and not (args.gpu_target or args.mock_gpus):
+        _fail(f"--widths {args.widths} is for a GPU's compiler: add --gpu-target FILE (no GPU) or --mock-gpus (one GPU)")
     if args.gpu_target:
         os.environ["JAX_PLATFORMS"] = "cpu"  # the CUDA plugin then registers without looking for a driver
 
@@ -82,10 +89,12 @@ def main(argv=None) -> int:
     from zaya_jax.explore import memory
     from zaya_jax.explore.against_xla import compile_layout
     from zaya_jax.explore.explorer import candidates
-    from zaya_jax.explore.held_out import draw
+    from zaya_jax.explore.held_out import BASE, draw
     from zaya_jax.explore.placement import describe
 
-    devices = _deviceless_gpus(args.gpu_target) if args.gpu_target else jax.devices()
+    roomy = args.widths == "zaya1"  # steps sized for the GPU: compiled for its own HBM, as a run is
+    config = f"experiments/{BASE[args.widths]}"
+    devices = _deviceless_gpus(args.gpu_target, pressed=not roomy) if args.gpu_target else jax.devices()
     if len(devices) < 8:
         _fail("run with XLA_FLAGS=--xla_force_host_platform_device_count=8 (on one GPU: --mock-gpus)")
     device = devices[0]
@@ -93,17 +102,22 @@ def main(argv=None) -> int:
     if hw is None:
         _fail(f"no hardware profile for {device.device_kind}; the prediction needs one (zaya_jax/hardware.py)")
     on_gpu = device.platform != "cpu"
-    where = (f"8 deviceless {device.device_kind} devices, scheduled as if nearly full" if args.gpu_target
-             else f"8 mocked {device.device_kind} devices") if on_gpu else "8 fake CPU devices"
+    where = ((f"8 deviceless {device.device_kind} devices" + (SIZED if roomy else ", scheduled as if nearly full"))
+             if args.gpu_target else f"8 mocked {device.device_kind} devices") if on_gpu else "8 fake CPU devices"
+    header = {"device": where, "hardware": hw.name, "jax": jax.__version__, "config": config}
     rows = []
     for seed in range(args.first_seed, args.first_seed + args.seeds):
         # On a GPU its own kernels (auto: Pallas), not the CPU's stand-in for them.
         overrides = draw(seed, args.widths) + (["--config.model.moe_kernel=auto"] if on_gpu else [])
-        run = _workload(overrides, hw)
+        run = _workload(overrides, hw, config)
         fitting, _ = candidates(run)
+        if roomy:  # the layouts a user would run: those the explorer says fit the device
+            fitting = [s for s in fitting if memory.predict(run, s).total_bytes <= memory.usable_bytes(run)]
+            if not fitting:
+                print(f"seed {seed}: no layout fits {hw.name}'s memory: none compiled", flush=True)
         for sizes in random.Random(seed).sample(fitting, min(args.layouts, len(fitting))):
             start = time.perf_counter()
-            got = compile_layout(CONFIG, overrides, sizes, devices[:8], terms=True)  # kernels for the devices
+            got = compile_layout(os.path.join(ROOT, config), overrides, sizes, devices[:8], terms=True)  # kernels for the devices
             if "error" in got:
                 print(f"seed {seed} {describe(sizes)}: {got['error']}", flush=True)
                 continue
@@ -114,8 +128,8 @@ def main(argv=None) -> int:
             rows.append(row)
             print(f"seed {seed:2d}  {row['layout']:28s} XLA/predicted {row['ratio']:.2f}  "
                   f"({row['compile_s']:.0f} s)", flush=True)
-            _write(args.out, {"device": where, "hardware": hw.name, "jax": jax.__version__, "rows": rows}, quiet=True)
-    _write(args.out, {"device": where, "hardware": hw.name, "jax": jax.__version__, "rows": rows})
+            _write(args.out, header | {"rows": rows}, quiet=True)
+    _write(args.out, header | {"rows": rows})
     return 0
 
 
@@ -153,7 +167,8 @@ def predict_row(row: dict, report: dict) -> None:
     from zaya_jax import hardware
     from zaya_jax.explore import memory
 
-    run = _workload(row["overrides"], hardware.profile(report.get("hardware") or "cpu"))  # first reports: CPU
+    run = _workload(row["overrides"], hardware.profile(report.get("hardware") or "cpu"),  # first reports: CPU
+                    report_config(report))
     row["predicted"] = memory.by_term(memory.predict(run, _sizes(row["layout"])))
     row["ratio"] = sum(row["xla"].values()) / sum(row["predicted"].values())
 
@@ -166,14 +181,21 @@ def _kernels_for(hw):
     return targeting(None if hw.target == "cpu" else hw.target)
 
 
-def _workload(overrides: list[str], hw):
-    """The explorer's view of a drawn shape on 8 devices of `hw`, as `compile_layout` compiles it."""
+def report_config(report: dict) -> str:
+    """The experiment a report's overrides go on top of (reports before `--widths zaya1`: tiny_cpu's)."""
+    return report.get("config", "experiments/tiny_cpu.py")
+
+
+def _workload(overrides: list[str], hw, config: str):
+    """The explorer's view of a drawn shape on 8 devices of `hw` (on top of `config`, relative to the
+    repository), as `compile_layout` compiles it."""
     from zaya_jax.experiment import load_experiment
     from zaya_jax.explore.against_xla import compiled_overrides
     from zaya_jax.explore.workload import Workload
 
     with _kernels_for(hw):
-        return Workload.from_experiment(load_experiment(CONFIG, compiled_overrides(overrides)), hw, 1, 8)
+        return Workload.from_experiment(load_experiment(os.path.join(ROOT, config), compiled_overrides(overrides)),
+                                        hw, 1, 8)
 
 
 def _sizes(layout: str) -> dict[str, int]:
@@ -184,14 +206,15 @@ def _sizes(layout: str) -> dict[str, int]:
     return {axis: int(named.get(axis, 1)) for axis in MESH_AXES}
 
 
-def _deviceless_gpus(path: str) -> list:
+def _deviceless_gpus(path: str, pressed: bool = True) -> list:
     """8 compile-only CUDA devices of the GPU `path` describes (an XLA GPU target config, text proto),
-    scheduled as if their memory were nearly full (`_pressed`)."""
+    scheduled as if their memory were nearly full (`_pressed`) unless `pressed` is false."""
     from zaya_jax.errors import ZayaError
     from zaya_jax.explore import deviceless
 
     try:
-        return deviceless.gpu_devices(_pressed(deviceless.read_target(path)), 1, 8, path)
+        target = deviceless.read_target(path)
+        return deviceless.gpu_devices(_pressed(target) if pressed else target, 1, 8, path)
     except ZayaError as e:
         _fail(str(e))
 

@@ -9,9 +9,9 @@ replaced, its prediction and ratio kept, and the report says what was re-attribu
 
 A row whose XLA total is not as stored (its program has changed since the run) stops it, or with
 `--recompile-changed` takes the new numbers, is predicted by the current model and marked. The
-reports made on deviceless GPUs scheduled as if nearly full (`explorer_drawn_shapes.py
---gpu-target`) are compiled again with `--gpu-target FILE`, the same target config, in a venv with
-JAX's CUDA plugin; the others are skipped. Each report is rewritten after every row.
+reports made on deviceless GPUs (`explorer_drawn_shapes.py --gpu-target`: scheduled as if nearly
+full, or steps sized for their HBM) are compiled again with `--gpu-target FILE`, the same target
+config, in a venv with JAX's CUDA plugin; a mocked GPU's and a roomy one's are skipped. Each report is rewritten after every row.
 """
 from __future__ import annotations
 
@@ -46,7 +46,13 @@ def main(argv=None) -> int:
     import explorer_drawn_shapes as eds
     from zaya_jax.explore.against_xla import compile_layout
 
-    gpus = eds._deviceless_gpus(args.gpu_target) if args.gpu_target else None
+    gpus: dict[bool, list] = {}  # deviceless GPUs as a report was compiled: as if nearly full, or not
+
+    def deviceless(pressed: bool) -> list:
+        if pressed not in gpus:
+            gpus[pressed] = eds._deviceless_gpus(args.gpu_target, pressed)
+        return gpus[pressed]
+
     today = datetime.date.today().isoformat()
     for path in args.reports:
         try:
@@ -57,23 +63,25 @@ def main(argv=None) -> int:
             print(f"{path}: not a drawn-shapes report ({e}); give the JSON benchmarks/explorer_drawn_shapes.py wrote",
                   file=sys.stderr)
             return 2
-        if device.endswith("scheduled as if nearly full") and gpus:
-            devices = gpus
+        if device.endswith("scheduled as if nearly full") and args.gpu_target:
+            devices = deviceless(pressed=True)
+        elif device.endswith(eds.SIZED) and args.gpu_target:
+            devices = deviceless(pressed=False)
         elif device.endswith("fake CPU devices"):
             if len(jax.devices()) < 8 or jax.devices()[0].platform != "cpu":
                 print("run on 8 fake CPU devices: XLA_FLAGS=--xla_force_host_platform_device_count=8", file=sys.stderr)
                 return 2
             devices = jax.devices()[:8]
         else:
-            print(f"{path}: made on {device}: skipped (deviceless GPUs scheduled as if nearly full need "
-                  "--gpu-target; a mocked or roomy GPU's are not compiled again)", file=sys.stderr)
+            print(f"{path}: made on {device}: skipped (deviceless GPUs need --gpu-target; a mocked GPU's and "
+                  "a roomy one's are not compiled again)", file=sys.stderr)
             continue
         done = 0
         for row in report["rows"]:
             if args.only_micro_batches and "--config.train.grad_accum_steps=1" in row["overrides"]:
                 continue
             start = time.perf_counter()
-            got = compile_layout(eds.CONFIG, row["overrides"], eds._sizes(row["layout"]), devices, terms=True)
+            got = compile_layout(os.path.join(ROOT, eds.report_config(report)), row["overrides"], eds._sizes(row["layout"]), devices, terms=True)
             old, new = sum(row["xla"].values()), sum(got["terms"].values())
             if old != new and not args.recompile_changed:
                 print(f"{path}: seed {row['seed']} {row['layout']}: XLA's total is {new} bytes now, {old} stored: the "

@@ -60,10 +60,10 @@ from zaya_jax.model.layer_stack import MIXERS, repeating_unit
 HEADROOM = 0.10
 # The largest XLA / predicted total over the drawn shapes, per compiler, each repredicted by this
 # model (`benchmarks/explorer_drawn_shapes*.json`; `tests/test_held_out.py` keeps them true): XLA:CPU
-# on 8 fake CPUs, XLA's GPU compiler for 8 deviceless H100s scheduling for a nearly full HBM (ROCm's
-# shares its scheduler). XLA has needed this much more than the prediction; a layout predicted
+# on 8 fake CPUs, XLA's GPU compiler for 8 deviceless H100s (scheduling for a nearly full HBM, or
+# ZAYA1-scale steps for its own; ROCm's shares its scheduler). XLA has needed this much more than the prediction; a layout predicted
 # within it of the limit may not fit.
-UNDERESTIMATE = {"cpu": 1.33, "gpu": 1.23}
+UNDERESTIMATE = {"cpu": 1.33, "gpu": 1.30}
 # The jax whose XLA:CPU the CPU-fitted terms (the unit's rings, the backward's working set, the
 # `cpu` underestimate) were read on; another version's XLA:CPU schedules the step differently
 # (docs/mesh_explorer.md, "The XLA these numbers were read on").
@@ -323,9 +323,12 @@ def block_input_bytes(run: Workload) -> float:
 
 
 def moe_saved_bytes(run: Workload, s: Share) -> float:
-    """Per token, what the `moe` policy names: the sorted rows, the fp32 gate, up and down outputs."""
+    """Per token, what the `moe` policy names: the sorted rows, the fp32 gate, up and down outputs.
+    Under TSP only the rows: the ring's `custom_vjp` names its outputs inside its own forward, out of
+    the policy's sight, and its backward remakes them (`parallel/tsp_experts.py`)."""
     cfg = run.cfg
-    return s.dispatch * (cfg.hidden_size * run.compute_bytes + (2 * s.expert_width + cfg.hidden_size) * F32)
+    outputs = 0.0 if s.ring > 1 else (2 * s.expert_width + cfg.hidden_size) * F32
+    return s.dispatch * (cfg.hidden_size * run.compute_bytes + outputs)
 
 
 def loss_bytes(run: Workload, tokens: float, vocab_split: int = 1) -> float:
