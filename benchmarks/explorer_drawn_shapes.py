@@ -76,7 +76,8 @@ def main(argv=None) -> int:
     if args.repredict:
         return _repredict(args.repredict, args.out)
     if args.widths != "cpu" and not (args.gpu_target or args.mock_gpus):
-        _fail(f"--widths {args.widths} is for a GPU's compiler: add --gpu-target FILE (no GPU) or --mock-gpus (one GPU)")
+        _fail(f"--widths {args.widths} is for a GPU's compiler: add --gpu-target FILE (no GPU) or --mock-gpus "
+              "(one GPU)")
     if args.gpu_target:
         os.environ["JAX_PLATFORMS"] = "cpu"  # the CUDA plugin then registers without looking for a driver
 
@@ -117,7 +118,8 @@ def main(argv=None) -> int:
                 print(f"seed {seed}: no layout fits {hw.name}'s memory: none compiled", flush=True)
         for sizes in random.Random(seed).sample(fitting, min(args.layouts, len(fitting))):
             start = time.perf_counter()
-            got = compile_layout(os.path.join(ROOT, config), overrides, sizes, devices[:8], terms=True)  # kernels for the devices
+            # The kernels are built for the devices
+            got = compile_layout(os.path.join(ROOT, config), overrides, sizes, devices[:8], terms=True)
             if "error" in got:
                 print(f"seed {seed} {describe(sizes)}: {got['error']}", flush=True)
                 continue

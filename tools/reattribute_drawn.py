@@ -11,7 +11,8 @@ A row whose XLA total is not as stored (its program has changed since the run) s
 `--recompile-changed` takes the new numbers, is predicted by the current model and marked. The
 reports made on deviceless GPUs (`explorer_drawn_shapes.py --gpu-target`: scheduled as if nearly
 full, or steps sized for their HBM) are compiled again with `--gpu-target FILE`, the same target
-config, in a venv with JAX's CUDA plugin; a mocked GPU's and a roomy one's are skipped. Each report is rewritten after every row.
+config, in a venv with JAX's CUDA plugin; a mocked GPU's and a roomy one's are skipped. Each
+report is rewritten after every row.
 """
 from __future__ import annotations
 
@@ -81,7 +82,8 @@ def main(argv=None) -> int:
             if args.only_micro_batches and "--config.train.grad_accum_steps=1" in row["overrides"]:
                 continue
             start = time.perf_counter()
-            got = compile_layout(os.path.join(ROOT, eds.report_config(report)), row["overrides"], eds._sizes(row["layout"]), devices, terms=True)
+            config = os.path.join(ROOT, eds.report_config(report))
+            got = compile_layout(config, row["overrides"], eds._sizes(row["layout"]), devices, terms=True)
             old, new = sum(row["xla"].values()), sum(got["terms"].values())
             if old != new and not args.recompile_changed:
                 print(f"{path}: seed {row['seed']} {row['layout']}: XLA's total is {new} bytes now, {old} stored: the "
