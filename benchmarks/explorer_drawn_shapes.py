@@ -113,7 +113,7 @@ def main(argv=None) -> int:
         run = _workload(overrides, hw, config)
         fitting, _ = candidates(run)
         if roomy:  # the layouts a user would run: those the explorer says fit the device
-            fitting = [s for s in fitting if memory.predict(run, s).total_bytes <= memory.usable_bytes(run)]
+            fitting = [s for s in fitting if memory.fits(run, memory.predict(run, s).total_bytes)]
             if not fitting:
                 print(f"seed {seed}: no layout fits {hw.name}'s memory: none compiled", flush=True)
         for sizes in random.Random(seed).sample(fitting, min(args.layouts, len(fitting))):

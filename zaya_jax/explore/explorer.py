@@ -65,11 +65,10 @@ def explore(run: Workload, network: Network | None = None) -> list[Prediction]:
         reason = refused.most_common(1)[0][0] if refused else "no layout"
         raise ZayaError(f"no layout of {run.devices} devices works for this run ({len(refused)} tried); the most "
                         f"common reason: {reason}")
-    limit = memory.usable_bytes(run)
     out = []
     for sizes in sizes_list:
         mem = memory.predict(run, sizes)
-        out.append(Prediction(sizes, mem.total_bytes <= limit, memory.tight(run, mem.total_bytes), mem,
+        out.append(Prediction(sizes, memory.fits(run, mem.total_bytes), memory.tight(run, mem.total_bytes), mem,
                               step_time.predict(run, sizes, network)))
     out.sort(key=lambda p: (not p.fits, p.tight, p.time.step_time_s if p.fits else p.memory.total_bytes))
     return out

@@ -116,9 +116,14 @@ def underestimate(run: Workload) -> float:
     return UNDERESTIMATE["cpu" if run.hw.target == "cpu" else "gpu"]
 
 
+def fits(run: Workload, total_bytes: float) -> bool:
+    """A prediction within the device's memory, less the headroom (`HEADROOM`)."""
+    return total_bytes <= usable_bytes(run)
+
+
 def tight(run: Workload, total_bytes: float) -> bool:
     """A prediction that fits, but would not at the largest underestimate measured (`underestimate`)."""
-    return total_bytes <= usable_bytes(run) < total_bytes * underestimate(run)
+    return fits(run, total_bytes) and not fits(run, total_bytes * underestimate(run))
 
 
 def attention_bytes(run: Workload, s: Share) -> dict[str, float]:
