@@ -241,3 +241,45 @@ def test_moe_keeps_the_experts_outputs_the_explorer_prices_and_none_inside_the_t
     kept = sum(4 * np.prod([int(n) for n in shape[4:-1].split(",")]) for shape in stacked)
     run = Workload(cfg, IDS.shape[1], IDS.shape[0], 1, "moe", hardware.profile("cpu"), 1, tsp)
     assert kept / IDS.size == memory.stored_per_token(run, share(run, mesh_sizes(tsp=tsp)))
+
+
+def test_a_block_without_remat_on_a_gpu_keeps_what_the_explorer_prices():
+    """With the GPU's kernels (traced for CUDA: Pallas attention, norms and grouped matmul) a scanned
+    bf16 stack without remat saves, per token and layer, what the explorer's GPU block prices, within
+    5%: the router's fp32 copy of its input and its twelve fp32 rows, and the experts' fused gate/up
+    output in fp32 (the grouped matmul's accumulator dtype, which `moe.swiglu` keeps). The inventory
+    the CPU's buffers fit (six router rows, the gate/up in bf16) prices 0.79 of it: ZAYA1-scale draws
+    without remat on 8 deviceless H100s read up to 1.25 while the GPU block was priced so."""
+    from zaya_jax import hardware
+    from zaya_jax.explore import memory
+    from zaya_jax.explore.workload import Workload, share
+    from zaya_jax.kernels import registry
+    from zaya_jax.train.flat_model import init_arrays, model_def
+    from meshes import mesh_sizes
+
+    # Widths no two of which are equal, so a residual's shape says what it is
+    cfg = CFG.replace(num_hidden_layers=3, hidden_size=640, router_hidden_size=96, num_experts=4,
+                      moe_intermediate_size=704, num_attention_heads=4, num_key_value_heads=1, head_dim=128,
+                      compute_dtype="bfloat16")
+    batch, length = 3, 128
+    ids = jnp.asarray(np.random.RandomState(0).randint(0, cfg.vocab_size, (batch, length)))
+    params, biases = init_arrays(cfg, seed=3)
+
+    def loss(params):
+        blocks = model_def(cfg).merge(params, biases).hidden_states(ids, remat="none")[0]
+        return jnp.sum(blocks.astype(jnp.float32) ** 2)
+
+    with registry.targeting("cuda"):
+        residuals = _saved_residuals(loss, params)
+    itemsize = {"f32": 4, "bf16": 2, "i32": 4, "bool": 1}
+    kept = 0
+    for shape, why in residuals:
+        dtype, dims = re.match(r"(\w+)\[([\d,]*)\]", shape).groups()
+        dims = [int(n) for n in dims.split(",") if n]
+        # Activations stacked over the layers: [layers, batch, ...] or [layers, tokens, ...]
+        if "output of scan" in why and len(dims) > 1 and dims[0] == cfg.num_hidden_layers and dims[1] in (
+                batch, batch * length):
+            kept += itemsize[dtype] * np.prod(dims)
+    run = Workload(cfg, length, batch, 1, "none", hardware.profile("h100"), 1, 1)
+    priced = memory.stored_per_token(run, share(run, mesh_sizes())) * ids.size
+    assert 1.0 <= kept / priced <= 1.05, kept / priced

@@ -63,7 +63,7 @@ HEADROOM = 0.10
 # on 8 fake CPUs, XLA's GPU compiler for 8 deviceless H100s (scheduling for a nearly full HBM, or
 # ZAYA1-scale steps for its own; ROCm's shares its scheduler). XLA has needed this much more than the prediction; a layout predicted
 # within it of the limit may not fit.
-UNDERESTIMATE = {"cpu": 1.33, "gpu": 1.30}
+UNDERESTIMATE = {"cpu": 1.33, "gpu": 1.23}
 # The jax whose XLA:CPU the CPU-fitted terms (the unit's rings, the backward's working set, the
 # `cpu` underestimate) were read on; another version's XLA:CPU schedules the step differently
 # (docs/mesh_explorer.md, "The XLA these numbers were read on").
@@ -184,18 +184,37 @@ def over_layers(run: Workload, per_kind) -> float:
 def moe_bytes(run: Workload, s: Share) -> dict[str, float]:
     """Per token, the MoE half of a block (EP keeps `dispatch`× rows: the gathered tokens)."""
     cfg, b = run.cfg, run.compute_bytes
-    h, r = cfg.hidden_size, cfg.router_hidden_size
+    h = cfg.hidden_size
     return {
         "input": h * b,
-        "router": 6 * r * F32 + 2 * (cfg.num_experts + 1) * F32,  # fp32 island: MLP and softmax
+        "router": router_bytes(run),
         "experts": s.dispatch * (h * b + expert_outputs_per_row(run, s) + h * F32),  # sorted rows, gate/up/act, out
         "merge": 2 * h * F32,
     }
 
 
+def router_bytes(run: Workload) -> float:
+    """Per token, the router's fp32 island (`model/router.py`): its MLP's rows and the class
+    probabilities. On a GPU as the layer scan saves them for the backward
+    (`tests/test_layer_stack.py`, `print_saved_residuals` with the GPU's kernels): the fp32 copy
+    of the normed input its down projection reads; twelve [R] rows (the state before and after
+    depth averaging, the norm's input and output, each exact GELU's four pieces); the probabilities
+    once. On XLA:CPU six rows and two probability sets, which its drawn shapes' buffers fit better
+    (349 of 408 within 10%; 346 with the GPU's form)."""
+    cfg, r, classes = run.cfg, run.cfg.router_hidden_size, run.cfg.num_experts + 1
+    if run.hw.target == "cpu":
+        return 6 * r * F32 + 2 * classes * F32
+    return cfg.hidden_size * F32 + 12 * r * F32 + classes * F32
+
+
 def expert_outputs_per_row(run: Workload, s: Share) -> float:
-    """Per row an expert sees, its gate, up and activation outputs in the compute dtype."""
-    return 3 * s.expert_width * run.compute_bytes
+    """Per row an expert sees, its gate, up and activation outputs. On a GPU as the layer scan saves
+    them: the fused gate/up in fp32 (the grouped matmul's accumulator dtype, which `moe.swiglu`
+    keeps for its backward) and the activation in the compute dtype. On XLA:CPU all three in the
+    compute dtype, which its buffers fit better (with `router_bytes`' CPU form)."""
+    if run.hw.target == "cpu":
+        return 3 * s.expert_width * run.compute_bytes
+    return 2 * s.expert_width * F32 + s.expert_width * run.compute_bytes
 
 
 def matmul_outputs_bytes(run: Workload, s: Share, kind: str = "C") -> float:
