@@ -82,12 +82,16 @@ def test_a_killed_rank_and_a_hung_rank_are_restarted_and_the_run_ends_bit_exact(
                               launch=["--max-restarts", "3", "--restart-backoff-s", "0.5", "--grace-s", "2"])
     assert faulty.returncode == 0, faulty.stderr[-4000:]
     err = faulty.stderr
-    assert "restart 1/3 in 0.5s from the newest checkpoint: process 1 was killed by SIGKILL (137)" in err
-    assert "hung (no step progress; stacks dumped)" in err and "restart 2/3 in 1s" in err
-    assert re.search(r"made no progress for 2[01]s in a train step", err)  # within its 20 s (1 s polls)
+    tail = err[-4000:]  # pytest's own rendering of `err` hides the middle: the drills and restarts
+    assert "restart 1/3 in 0.5s from the newest checkpoint: process 1 was killed by SIGKILL (137)" in err, tail
+    assert "hung (no step progress; stacks dumped)" in err and "restart 2/3 in 1s" in err, tail
+    # Past its 20 s at the first of its 1 s polls after them; on a loaded host that poll wakes late
+    # (CI read 22 s once), still before gloo gives up on the peer's collective (30 s)
+    idle = re.search(r"made no progress for (\d+)s in a train step", err)
+    assert idle and 20 <= int(idle[1]) < 30, tail
     # Where: the train loop (the hung rank's drill sleep, or its peer waiting in the step; whichever
     # watchdog fires first ends the attempt, so either rank's stacks may be the ones printed).
-    assert "Thread MainThread (most recent call last)" in err and "in _steps" in err
+    assert "Thread MainThread (most recent call last)" in err and "in _steps" in err, tail
 
     assert _losses(tmp_path / "faulty") == _losses(tmp_path / "whole")
     want, got = _arrays(tmp_path / "whole" / "model"), _arrays(tmp_path / "faulty" / "model")
