@@ -109,6 +109,20 @@ def _saved_residuals(fn, *args) -> list[tuple[str, str]]:
     return [tuple(line.split(" ", 1)) for line in out.getvalue().splitlines()]
 
 
+ITEMSIZE = {"f32": 4, "bf16": 2, "i32": 4, "bool": 1}
+
+
+def _parsed(shape: str) -> tuple[str, list[int]]:
+    """'f32[3,2,64]' → ('f32', [3, 2, 64]), as `_saved_residuals` prints a residual's shape."""
+    dtype, dims = re.match(r"(\w+)\[([\d,]*)\]", shape).groups()
+    return dtype, [int(n) for n in dims.split(",") if n]
+
+
+def _nbytes(shape: str) -> int:
+    dtype, dims = _parsed(shape)
+    return ITEMSIZE[dtype] * int(np.prod(dims))
+
+
 @pytest.mark.parametrize("pattern", ["C", "LC"])
 def test_the_backward_reads_each_layers_weights_from_the_stack_not_a_saved_copy(pattern):
     """A weight the scan body slices out of its unit's rows is saved for the backward: a copy of
@@ -203,8 +217,7 @@ def test_dots_keeps_what_the_explorer_prices_and_recomputes_the_experts(pattern)
     dots = saved("dots")
     assert expert_outputs(saved("moe")) and not expert_outputs(dots)
     assert all(shape.startswith("f32[") for shape in dots)
-    dims = [[int(n) for n in shape[4:-1].split(",")] for shape in dots]
-    kept = sum(4 * np.prod(d) for d in dims if len(d) >= 4)  # stacked [units, B, S, ...]: not the last carry
+    kept = sum(_nbytes(shape) for shape in dots if len(_parsed(shape)[1]) >= 4)  # stacked [units, B, S, ...]: not the last carry
     run = Workload(cfg, IDS.shape[1], IDS.shape[0], 1, "dots", hardware.profile("cpu"), 1, 1)
     # The carry is saved once a unit; the explorer prices every layer's input, which the unit's
     # recomputation holds (`memory.stored_per_token`)
@@ -238,7 +251,7 @@ def test_moe_keeps_the_experts_outputs_the_explorer_prices_and_none_inside_the_t
     stacked = [shape for shape, why in _saved_residuals(loss, params)
                if "output of scan" in why and shape.startswith(f"f32[{cfg.num_hidden_layers},")]
     assert any(shape.endswith(",112]") for shape in stacked) == (tsp == 1), stacked  # the fused gate/up
-    kept = sum(4 * np.prod([int(n) for n in shape[4:-1].split(",")]) for shape in stacked)
+    kept = sum(_nbytes(shape) for shape in stacked)
     run = Workload(cfg, IDS.shape[1], IDS.shape[0], 1, "moe", hardware.profile("cpu"), 1, tsp)
     assert kept / IDS.size == memory.stored_per_token(run, share(run, mesh_sizes(tsp=tsp)))
 
@@ -271,15 +284,13 @@ def test_a_block_without_remat_on_a_gpu_keeps_what_the_explorer_prices():
 
     with registry.targeting("cuda"):
         residuals = _saved_residuals(loss, params)
-    itemsize = {"f32": 4, "bf16": 2, "i32": 4, "bool": 1}
     kept = 0
     for shape, why in residuals:
-        dtype, dims = re.match(r"(\w+)\[([\d,]*)\]", shape).groups()
-        dims = [int(n) for n in dims.split(",") if n]
+        dims = _parsed(shape)[1]
         # Activations stacked over the layers: [layers, batch, ...] or [layers, tokens, ...]
         if "output of scan" in why and len(dims) > 1 and dims[0] == cfg.num_hidden_layers and dims[1] in (
                 batch, batch * length):
-            kept += itemsize[dtype] * np.prod(dims)
+            kept += _nbytes(shape)
     run = Workload(cfg, length, batch, 1, "none", hardware.profile("h100"), 1, 1)
     priced = memory.stored_per_token(run, share(run, mesh_sizes())) * ids.size
     assert 1.0 <= kept / priced <= 1.05, kept / priced
