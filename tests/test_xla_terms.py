@@ -242,3 +242,28 @@ def test_the_micro_batch_loops_running_gradient_sum_is_gradients_not_the_update(
     assert {xla_terms.term_of(b, shapes) for b in summed} == {"gradients"}
     terms = xla_terms.attribute(buffers, xla_terms.total_bytes(compiled))
     assert terms["gradients"] >= sum(b.bytes for b in summed)
+
+
+def test_each_phase_of_a_step_peaks_on_its_own_buffers_and_the_largest_is_the_steps_peak(tmp_path):
+    """`phase_peaks` finds each phase's own peak: the forward's holds none of the loss's buffers, the
+    loss's its chunks, the backward's what the blocks' backward makes, the update's none of the
+    loss's; the largest of them is the step's peak (`peak_buffers`), to the byte."""
+    from zaya_jax.experiment import load_experiment
+    from zaya_jax.train.program import build_program
+
+    program = build_program(load_experiment(TINY, [*SMALL, "--config.mesh.data=1"]), jax.devices()[:1])
+    with xla_terms.dumping(str(tmp_path)) as (options, read_peak):
+        program.compile_train_step_phases(options)
+        step_peak = read_peak()
+    by_phase = xla_terms.phase_peaks(*xla_terms.dump_files(str(tmp_path)))
+    assert set(by_phase) == set(xla_terms.PHASES)
+    total = {phase: sum(b.bytes for b in buffers) for phase, buffers in by_phase.items()}
+    assert max(total.values()) == sum(b.bytes for b in step_peak)
+
+    def made(phase, where):
+        return sum(b.bytes for b in by_phase[phase] if xla_terms.phase_of(b.op_name) == where)
+
+    assert made("forward", "loss") == 0
+    assert made("loss", "loss") > 0
+    assert made("backward", "backward") > 0
+    assert made("update", "loss") == 0

@@ -52,9 +52,11 @@ def memory_report(program, terms: bool = False, keep: str | None = None, largest
     return report
 
 
-def compile_layout(config_path: str, overrides: list[str], layout: dict[str, int], devices, terms: bool = False) -> dict:
+def compile_layout(config_path: str, overrides: list[str], layout: dict[str, int], devices, terms: bool = False,
+                   keep: str | None = None) -> dict:
     """XLA's numbers for one layout, or {"error": why} when the step cannot be built here. The
-    kernels are built for the devices' target (a deviceless GPU's on this CPU host too)."""
+    kernels are built for the devices' target (a deviceless GPU's on this CPU host too). With
+    `terms`, XLA's reports are left in `keep` if given (`memory_report`)."""
     from zaya_jax.kernels.registry import device_target
     from zaya_jax.train.program import program_for_target
 
@@ -65,7 +67,7 @@ def compile_layout(config_path: str, overrides: list[str], layout: dict[str, int
                                      target, devices)
     except ZayaError as e:
         return {"error": str(e)}
-    return memory_report(program, terms)
+    return memory_report(program, terms, keep)
 
 
 def validate(config_path: str, overrides: list[str], layouts: list[dict[str, int]], progress=print,

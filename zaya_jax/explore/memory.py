@@ -527,9 +527,15 @@ def muon_temporaries(run: Workload, sizes: dict[str, int]) -> float:
 
 
 def predict(run: Workload, sizes: dict[str, int]) -> Memory:
-    """The step's peak: the backward's (activations, schedules' buffers, the last block's working
-    set), the loss's (activations, its chunks) or the update's (the clipped gradients and the new
-    values beside the old), the largest."""
+    """The step's peak: the largest of its phases' (`phases`)."""
+    return max(phases(run, sizes).values(), key=lambda m: m.total_bytes)
+
+
+def phases(run: Workload, sizes: dict[str, int]) -> dict[str, Memory]:
+    """The peak of each phase of the step the model prices (`xla_terms.PHASES`' names): the
+    backward's (activations, schedules' buffers, the last block's working set), the loss's
+    (activations, its chunks) and the update's (the clipped gradients and the new values beside
+    the old)."""
     state = inventory.state_bytes(run.cfg, sizes, run.zero1)
     s = share(run, sizes)
     # One micro-batch: XLA reduce-scatters each layer's gradients inside the backward's layer scan,
@@ -571,6 +577,6 @@ def predict(run: Workload, sizes: dict[str, int]) -> Memory:
         "inputs": inputs,
     }
     # By the update the running sum is reduced (reduce-scattered under ZeRO-1): one set is left.
-    phases = ((grads, backward), (loss_grads, loss), (state.scattered_grads, update))
-    held, parts = max(phases, key=lambda p: p[0] + sum(p[1].values()))
-    return Memory(state.params, held, state.optimizer, sum(parts.values()), parts)
+    held = {"backward": (grads, backward), "loss": (loss_grads, loss), "update": (state.scattered_grads, update)}
+    return {phase: Memory(state.params, g, state.optimizer, sum(parts.values()), parts)
+            for phase, (g, parts) in held.items()}

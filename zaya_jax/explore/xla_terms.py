@@ -41,6 +41,7 @@ from zaya_jax.train.step import GRADIENT_SUM_SCOPE
 
 TERMS = ("parameters", "gradients", "optimizer", "inputs", "stored_activations", "block_working_set", "loss",
          "schedule", "update", "kernel", "xla_copies", "fragmentation")
+PHASES = ("forward", "loss", "backward", "update")  # the step's phases in their order (`phase_of`)
 CPU_ONLY_TERMS = ("kernel",)  # a GPU backend holds every other term too
 # Grouped-matmul backends whose CPU form holds buffers no GPU kernel has (`kernels/ops.py` names
 # the scopes): XLA's CPU expansion of ragged_dot ([G, M, K] masked copies), the tiled form's tiles.
@@ -114,20 +115,112 @@ def peak_buffers(live_range_path: str, hlo_path: str, assignment_path: str) -> l
     The peak is found over every value XLA assigned (the loops' carried values included, which
     XLA's own peak listing leaves out), a buffer's aliases counted once: at each point of the
     schedule, the bytes of the distinct (allocation, offset) places holding a live value."""
-    instructions = _instructions(hlo_path)
-    values = _assigned_values(assignment_path)
-    ranges = {name: span for name, span in _live_ranges(live_range_path).items() if name in values}
-    if not ranges:
-        raise ZayaError(f"{live_range_path} and {assignment_path} share no buffers; this XLA writes another format")
-    peak = _peak_time(ranges, values)
-    live: dict[tuple[int, int], str] = {}
-    for name, (start, end) in ranges.items():
-        if start <= peak <= end:
-            place = values[name].key
-            if place not in live or values[name].size > values[live[place]].size:
-                live[place] = name
-    made_by = _makers(values, instructions)
-    return [Buffer(name.split("{")[0], values[name].size, *made_by(name)) for name in live.values()]
+    schedule = _Schedule.read(live_range_path, hlo_path, assignment_path)
+    live = schedule.live_bytes()
+    return schedule.buffers_at(max(range(len(live)), key=lambda t: (live[t], -t)))
+
+
+def phase_peaks(live_range_path: str, hlo_path: str, assignment_path: str) -> dict[str, list[Buffer]]:
+    """For each of the step's phases (`PHASES`), the buffers live at the point of its span of the
+    schedule (`_Schedule.phases`) with the most bytes live, counted as `peak_buffers` counts the
+    step's: what the explorer's price of each phase (`memory.phases`) is held against. The step's
+    peak is the largest of them."""
+    schedule = _Schedule.read(live_range_path, hlo_path, assignment_path)
+    live, phase_at = schedule.live_bytes(), schedule.phases()
+    best: dict[str, int] = {}
+    for t, phase in enumerate(phase_at):
+        if phase not in best or live[t] > live[best[phase]]:
+            best[phase] = t
+    return {phase: schedule.buffers_at(best[phase]) for phase in PHASES if phase in best}
+
+
+def phase_of(op_name: str) -> str | None:
+    """The phase of the step an instruction runs in, by its JAX op name: the loss (its forward and
+    its backward rule, `transpose(jvp(loss))`), the blocks' backward (a derivative's transpose, and
+    the micro-batch loop's gradient sum), the forward (`jvp`), else the update; None for what
+    carries no op of its own (XLA's copies, the step's arguments)."""
+    if not op_name or op_name.startswith(("state.", "batches")):
+        return None
+    scopes = _scopes(op_name)
+    if "loss" in scopes:
+        return "loss"
+    if "transpose(" in op_name or GRADIENT_SUM_SCOPE in scopes:
+        return "backward"
+    return "forward" if "jvp(" in op_name else "update"
+
+
+@dataclasses.dataclass
+class _Schedule:
+    """A compiled step's values over XLA's sequential schedule: where each lies, when it is live."""
+
+    values: dict[str, "_Value"]
+    ranges: dict[str, tuple[int, int]]
+    instructions: dict[str, tuple[str, str, str]]
+    op_names: dict[str, str]  # each instruction's own op name (a copy's not taken from its source)
+
+    @classmethod
+    def read(cls, live_range_path: str, hlo_path: str, assignment_path: str) -> "_Schedule":
+        values = _assigned_values(assignment_path)
+        ranges = {name: span for name, span in _live_ranges(live_range_path).items() if name in values}
+        if not ranges:
+            raise ZayaError(f"{live_range_path} and {assignment_path} share no buffers; this XLA writes another format")
+        instructions, op_names = _instructions(hlo_path, with_own_names=True)
+        return cls(values, ranges, instructions, op_names)
+
+    def live_bytes(self) -> list[int]:
+        """Bytes live at each point of the schedule, each place counted once at its largest value."""
+        end = max(e for _, e in self.ranges.values()) + 1
+        events = sorted([(start, 1, name) for name, (start, _) in self.ranges.items()]
+                        + [(stop + 1, 0, name) for name, (_, stop) in self.ranges.items()])
+        at_place: dict[tuple[int, int], list[int]] = {}
+        out, live, i = [0] * end, 0, 0
+        for t in range(end):
+            while i < len(events) and events[i][0] == t:
+                _, starts, name = events[i]
+                value = self.values[name]
+                sizes = at_place.setdefault(value.key, [])
+                before = max(sizes, default=0)
+                if starts:
+                    sizes.append(value.size)
+                else:
+                    sizes.remove(value.size)
+                live += max(sizes, default=0) - before
+                i += 1
+            out[t] = live
+        return out
+
+    def phases(self) -> list[str]:
+        """The phase of each point of the schedule. XLA interleaves instructions of neighbouring
+        phases (it makes the loss's and the backward's zeroed buffers early, its layout copies
+        late), so the phases are spans between boundaries: the loss from its first matmul to its
+        last (the logits of a chunk, forward and backward, and their gradients), the forward before
+        it, the backward after it up to the last instruction of the backward (`phase_of`), the
+        update after that."""
+        matmuls, backward = [], []
+        for name, (start, _) in self.ranges.items():
+            op_name = self.op_names.get(name.split("{")[0], "")
+            phase = phase_of(op_name)
+            if phase == "loss" and op_name.endswith("dot_general"):
+                matmuls.append(start)
+            elif phase == "backward":
+                backward.append(start)
+        if not matmuls:
+            raise ZayaError("no matmul of the step runs under the loss's scope; its phases cannot be told apart")
+        first, last = min(matmuls), max(matmuls)
+        last_backward = max([t for t in backward if t > last], default=last)
+        end = max(e for _, e in self.ranges.values()) + 1
+        return ["forward" if t < first else "loss" if t <= last else "backward" if t <= last_backward else "update"
+                for t in range(end)]
+
+    def buffers_at(self, time: int) -> list[Buffer]:
+        live: dict[tuple[int, int], str] = {}
+        for name, (start, end) in self.ranges.items():
+            if start <= time <= end:
+                place = self.values[name].key
+                if place not in live or self.values[name].size > self.values[live[place]].size:
+                    live[place] = name
+        made_by = _makers(self.values, self.instructions)
+        return [Buffer(name.split("{")[0], self.values[name].size, *made_by(name)) for name in live.values()]
 
 
 def _assigned_values(assignment_path: str) -> dict[str, _Value]:
@@ -160,26 +253,6 @@ def _live_ranges(live_range_path: str) -> dict[str, tuple[int, int]]:
     return out
 
 
-def _peak_time(ranges: dict[str, tuple[int, int]], values: dict[str, _Value]) -> int:
-    """The schedule point with the most bytes live, each place counted once at its largest value."""
-    events = sorted([(start, 1, name) for name, (start, _) in ranges.items()]
-                    + [(end + 1, 0, name) for name, (_, end) in ranges.items()])
-    at_place: dict[tuple[int, int], list[int]] = {}
-    live, best, best_time = 0, -1, 0
-    for i, (time, starts, name) in enumerate(events):
-        value = values[name]
-        sizes = at_place.setdefault(value.key, [])
-        before = max(sizes, default=0)
-        if starts:
-            sizes.append(value.size)
-        else:
-            sizes.remove(value.size)
-        live += max(sizes, default=0) - before
-        if (i + 1 == len(events) or events[i + 1][0] != time) and live > best:
-            best, best_time = live, time
-    return best_time
-
-
 def _makers(values: dict[str, _Value], instructions: dict) -> callable:
     """value name → (shape, opcode, op name) of the instruction that made it; a loop's carried
     value takes them from a value XLA placed with it that an instruction made."""
@@ -197,9 +270,10 @@ def _makers(values: dict[str, _Value], instructions: dict) -> callable:
     return made_by
 
 
-def _instructions(hlo_path: str) -> dict[str, tuple[str, str, str]]:
+def _instructions(hlo_path: str, with_own_names: bool = False):
     """name → (shape, opcode, op name); a copy XLA added without a source op takes its operand's
-    op name (the step's arguments are copied so: their copy is theirs)."""
+    op name (the step's arguments are copied so: their copy is theirs). `with_own_names`: also
+    name → the instruction's own op name ("" for such a copy)."""
     out, copied = {}, {}
     with open(hlo_path, encoding="utf-8") as f:
         for line in f:
@@ -211,6 +285,7 @@ def _instructions(hlo_path: str) -> dict[str, tuple[str, str, str]]:
                 source = _COPIED.search(line) if opcode == "copy" and not op_name else None
                 if source:
                     copied[name] = source.group(1)
+    own = {name: info[2] for name, info in out.items()}
     for name, source in copied.items():
         seen = {name}
         while source in copied and source not in seen:
@@ -218,7 +293,7 @@ def _instructions(hlo_path: str) -> dict[str, tuple[str, str, str]]:
             source = copied[source]
         if source in out:
             out[name] = out[name][:2] + (out[source][2],)
-    return out
+    return (out, own) if with_own_names else out
 
 
 def attribute(buffers: list[Buffer], total_bytes: int) -> dict[str, int]:
