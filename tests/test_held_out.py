@@ -94,6 +94,21 @@ def test_the_drawn_shapes_benchmarks_bad_inputs_are_one_line_and_exit_2(tmp_path
     assert not (tmp_path / "out.json").exists()
 
 
+@pytest.mark.parametrize("report, words", [
+    ("/nonexistent.json", "/nonexistent.json: not a drawn-shapes report"),
+    ("benchmarks/explorer_drawn_shapes_seeds204_215.json", "for a set compiled for deviceless GPUs (this one: 8 fake CPU"),
+    ("benchmarks/explorer_drawn_shapes_h200_mock_seeds24_47.json", "(this one: 8 mocked NVIDIA H200 devices)"),
+])
+def test_the_phase_by_phase_benchmarks_bad_inputs_are_one_line_and_exit_2(tmp_path, report, words):
+    """XLA:CPU spreads the loss through the backward, and a mocked GPU needs its GPU: refused in words."""
+    done = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "explorer_phases.py"), report,
+                           "--gpu-target=benchmarks/gpu_targets/h100_sxm.txtpb", f"--out={tmp_path / 'out.json'}"],
+                          capture_output=True, text=True, cwd=ROOT, env={**os.environ, "JAX_PLATFORMS": "cpu"}, timeout=300)
+    assert done.returncode == 2, done.stderr[-2000:]
+    assert done.stderr.strip().count("\n") == 0 and words in done.stderr, done.stderr[-2000:]
+    assert not (tmp_path / "out.json").exists()
+
+
 def test_a_deviceless_gpu_is_compiled_as_if_its_memory_were_nearly_full():
     drawn = load_script("benchmarks", "explorer_drawn_shapes")
     with open(os.path.join(ROOT, "benchmarks", "gpu_targets", "h100_sxm.txtpb"), encoding="utf-8") as f:
