@@ -49,7 +49,7 @@ def main(argv=None) -> int:
     try:
         with open(args.report, encoding="utf-8") as f:
             report = json.load(f)
-        rows_in = report["rows"]
+        rows_in, hardware_name = report["rows"], report["hardware"]
     except (OSError, ValueError, KeyError) as e:
         _fail(f"{args.report}: not a drawn-shapes report ({e})")
     if DEVICELESS not in report["device"]:
@@ -62,7 +62,7 @@ def main(argv=None) -> int:
 
     roomy = report["device"].endswith(drawn.SIZED)
     devices = drawn._deviceless_gpus(args.gpu_target, pressed=not roomy)
-    hw = hardware.profile(report.get("hardware") or "cpu")
+    hw = hardware.profile(hardware_name)
     header = {"report": os.path.basename(args.report), "device": report["device"], "jax": jax.__version__}
     rows = []
     for row in rows_in:

@@ -96,7 +96,7 @@ def test_a_copy_of_an_argument_is_the_arguments(tmp_path):
            '  %copy.8 = f32[4,4]{1,0} copy(%copy.7)\n')
     path = tmp_path / "m.txt"
     path.write_text(hlo)
-    table = xla_terms._instructions(str(path))
+    table, _ = xla_terms._instructions(str(path))
     assert table["copy.8"] == ("f32[4,4]", "copy", "state.opt_state[0].mu['w']")
     buffer = xla_terms.Buffer("copy.8", 64, *table["copy.8"])
     assert xla_terms.term_of(buffer, set()) == "optimizer"

@@ -155,7 +155,7 @@ class _Schedule:
 
     values: dict[str, "_Value"]
     ranges: dict[str, tuple[int, int]]
-    instructions: dict[str, tuple[str, str, str]]
+    made_by: callable  # value name → its maker's (shape, opcode, op name) (`_makers`)
     op_names: dict[str, str]  # each instruction's own op name (a copy's not taken from its source)
 
     @classmethod
@@ -164,17 +164,21 @@ class _Schedule:
         ranges = {name: span for name, span in _live_ranges(live_range_path).items() if name in values}
         if not ranges:
             raise ZayaError(f"{live_range_path} and {assignment_path} share no buffers; this XLA writes another format")
-        instructions, op_names = _instructions(hlo_path, with_own_names=True)
-        return cls(values, ranges, instructions, op_names)
+        instructions, op_names = _instructions(hlo_path)
+        return cls(values, ranges, _makers(values, instructions), op_names)
+
+    @property
+    def length(self) -> int:
+        """The points of the schedule: 0 .. the last point any value is live at."""
+        return max(end for _, end in self.ranges.values()) + 1
 
     def live_bytes(self) -> list[int]:
         """Bytes live at each point of the schedule, each place counted once at its largest value."""
-        end = max(e for _, e in self.ranges.values()) + 1
         events = sorted([(start, 1, name) for name, (start, _) in self.ranges.items()]
                         + [(stop + 1, 0, name) for name, (_, stop) in self.ranges.items()])
         at_place: dict[tuple[int, int], list[int]] = {}
-        out, live, i = [0] * end, 0, 0
-        for t in range(end):
+        out, live, i = [0] * self.length, 0, 0
+        for t in range(self.length):
             while i < len(events) and events[i][0] == t:
                 _, starts, name = events[i]
                 value = self.values[name]
@@ -208,9 +212,8 @@ class _Schedule:
             raise ZayaError("no matmul of the step runs under the loss's scope; its phases cannot be told apart")
         first, last = min(matmuls), max(matmuls)
         last_backward = max([t for t in backward if t > last], default=last)
-        end = max(e for _, e in self.ranges.values()) + 1
         return ["forward" if t < first else "loss" if t <= last else "backward" if t <= last_backward else "update"
-                for t in range(end)]
+                for t in range(self.length)]
 
     def buffers_at(self, time: int) -> list[Buffer]:
         live: dict[tuple[int, int], str] = {}
@@ -219,8 +222,7 @@ class _Schedule:
                 place = self.values[name].key
                 if place not in live or self.values[name].size > self.values[live[place]].size:
                     live[place] = name
-        made_by = _makers(self.values, self.instructions)
-        return [Buffer(name.split("{")[0], self.values[name].size, *made_by(name)) for name in live.values()]
+        return [Buffer(name.split("{")[0], self.values[name].size, *self.made_by(name)) for name in live.values()]
 
 
 def _assigned_values(assignment_path: str) -> dict[str, _Value]:
@@ -270,10 +272,10 @@ def _makers(values: dict[str, _Value], instructions: dict) -> callable:
     return made_by
 
 
-def _instructions(hlo_path: str, with_own_names: bool = False):
-    """name → (shape, opcode, op name); a copy XLA added without a source op takes its operand's
-    op name (the step's arguments are copied so: their copy is theirs). `with_own_names`: also
-    name → the instruction's own op name ("" for such a copy)."""
+def _instructions(hlo_path: str) -> tuple[dict[str, tuple[str, str, str]], dict[str, str]]:
+    """(name → (shape, opcode, op name), name → the instruction's own op name). In the first a copy
+    XLA added without a source op takes its operand's op name (the step's arguments are copied so:
+    their copy is theirs); in the second it has none ("")."""
     out, copied = {}, {}
     with open(hlo_path, encoding="utf-8") as f:
         for line in f:
@@ -293,7 +295,7 @@ def _instructions(hlo_path: str, with_own_names: bool = False):
             source = copied[source]
         if source in out:
             out[name] = out[name][:2] + (out[source][2],)
-    return (out, own) if with_own_names else out
+    return out, own
 
 
 def attribute(buffers: list[Buffer], total_bytes: int) -> dict[str, int]:
