@@ -38,6 +38,16 @@ JAX's CUDA plugin beside the same jax, best in a venv of its own (it is 5 GB; no
 (8–40 layers of 1K–2.5K hidden, 2K–8K tokens, ZAYA1's vocabulary: `explore/held_out.py`), and
 compiles only layouts the explorer says fit the GPU's memory, for the GPU with its own HBM: these
 steps are sized for it, so XLA schedules them as it would a real run's (each compile is 20–40 s here).
+
+`--nearly-full REPORT` compiles the layouts of such a report again, the same shapes and meshes, for
+the same deviceless GPUs told their HBM is nearly full (`_pressed`): a step of 4–38 GiB on an 80 GB
+H100 is scheduled with memory to spare, and one near the limit, the one whose fit the prediction
+decides, is scheduled for memory. The two reports side by side say how much of XLA's total is the
+scheduler's choice (`benchmarks/explorer_drawn_shapes_h100_zaya1_nearly_full_seeds*.md`):
+
+    .venv-cuda/bin/python benchmarks/explorer_drawn_shapes.py --gpu-target benchmarks/gpu_targets/h100_sxm.txtpb \\
+        --nearly-full benchmarks/explorer_drawn_shapes_h100_zaya1_seeds48_59.json \\
+        --out benchmarks/explorer_drawn_shapes_h100_zaya1_nearly_full_seeds48_59.json
 """
 
 from __future__ import annotations
@@ -54,6 +64,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 MIB = 2 ** 20
 SIZED = ", steps sized for their HBM"  # `--widths zaya1`: compiled for the device's own memory
+NEARLY_FULL = ", scheduled as if nearly full"  # a deviceless GPU compiled with `PRESSED_MEMORY` of HBM
 PRESSED_MEMORY = 2 ** 20  # a deviceless GPU's HBM: XLA schedules as if the step nearly filled it (`_pressed`)
 
 
@@ -70,6 +81,8 @@ def main(argv=None) -> int:
                    "(default; what a CPU compiles in seconds), gpu (the same draw at ZAYA1-like widths) or zaya1 "
                    "(ZAYA1-base's neighbourhood, on its experiment); gpu and zaya1 are for a GPU's compiler "
                    "(explore/held_out.py)")
+    p.add_argument("--nearly-full", metavar="JSON", help="with --gpu-target: compile the layouts of this report of "
+                   "steps sized for their HBM again, scheduled as if the HBM were nearly full (see above)")
     p.add_argument("--repredict", metavar="JSON", help="no compile: this file's XLA numbers against the current "
                    "model's predictions, written to --out")
     args = p.parse_args(argv)
@@ -78,8 +91,12 @@ def main(argv=None) -> int:
     if args.widths != "cpu" and not (args.gpu_target or args.mock_gpus):
         _fail(f"--widths {args.widths} is for a GPU's compiler: add --gpu-target FILE (no GPU) or --mock-gpus "
               "(one GPU)")
+    if args.nearly_full and not args.gpu_target:
+        _fail("--nearly-full compiles for deviceless GPUs: add --gpu-target FILE")
     if args.gpu_target:
         os.environ["JAX_PLATFORMS"] = "cpu"  # the CUDA plugin then registers without looking for a driver
+    if args.nearly_full:
+        return _nearly_full(args.nearly_full, args.gpu_target, args.out)
 
     import jax
 
@@ -103,7 +120,7 @@ def main(argv=None) -> int:
     if hw is None:
         _fail(f"no hardware profile for {device.device_kind}; the prediction needs one (zaya_jax/hardware.py)")
     on_gpu = device.platform != "cpu"
-    where = ((f"8 deviceless {device.device_kind} devices" + (SIZED if roomy else ", scheduled as if nearly full"))
+    where = ((f"8 deviceless {device.device_kind} devices" + (SIZED if roomy else NEARLY_FULL))
              if args.gpu_target else f"8 mocked {device.device_kind} devices") if on_gpu else "8 fake CPU devices"
     header = {"device": where, "hardware": hw.name, "jax": jax.__version__, "config": config}
     rows = []
@@ -132,6 +149,51 @@ def main(argv=None) -> int:
                   f"({row['compile_s']:.0f} s)", flush=True)
             _write(args.out, header | {"rows": rows}, quiet=True)
     _write(args.out, header | {"rows": rows})
+    return 0
+
+
+def _nearly_full(path: str, gpu_target: str, out: str) -> int:
+    """The rows of a report of steps sized for their HBM (`--widths zaya1`), each layout compiled again
+    for the same deviceless GPUs scheduled as if their HBM were nearly full (`_pressed`), as a step
+    that decides whether a layout fits is scheduled; predicted by the current model."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            source = json.load(f)
+        rows_in, hw_name = source["rows"], source["hardware"]
+    except (OSError, ValueError, KeyError) as e:
+        _fail(f"--nearly-full {path}: not a report this script wrote ({e})")
+    if not source["device"].endswith(SIZED):
+        _fail(f"--nearly-full {path}: its steps were not sized for their HBM ({source['device']}); "
+              "it is for a --widths zaya1 report")
+    import jax
+
+    from zaya_jax import hardware
+    from zaya_jax.explore import memory
+    from zaya_jax.explore.against_xla import compile_layout
+
+    devices = _deviceless_gpus(gpu_target)
+    hw = hardware.profile(hw_name)
+    config = report_config(source)
+    header = {"device": f"8 deviceless {devices[0].device_kind} devices, the layouts of {os.path.basename(path)}"
+                        f"{NEARLY_FULL}", "hardware": hw.name, "jax": jax.__version__, "config": config}
+    rows = []
+    for row in rows_in:
+        start = time.perf_counter()
+        sizes = _sizes(row["layout"])
+        got = compile_layout(os.path.join(ROOT, config), row["overrides"], sizes, devices[:8], terms=True)
+        if "error" in got:
+            print(f"seed {row['seed']} {row['layout']}: {got['error']}", flush=True)
+            continue
+        predicted = memory.by_term(memory.predict(_workload(row["overrides"], hw, config), sizes))
+        rows.append({"seed": row["seed"], "overrides": row["overrides"], "layout": row["layout"],
+                     "predicted": predicted, "xla": got["terms"],
+                     "ratio": sum(got["terms"].values()) / sum(predicted.values()),
+                     "compile_s": round(time.perf_counter() - start, 1)})
+        print(f"seed {row['seed']:2d}  {row['layout']:28s} XLA/predicted {rows[-1]['ratio']:.2f}  XLA's total "
+              f"{sum(got['terms'].values()) / 2 ** 30:.2f} GiB ({sum(row['xla'].values()) / 2 ** 30:.2f} with its own "
+              f"HBM)  ({rows[-1]['compile_s']:.0f} s)", flush=True)
+        _write(out, header | {"rows": rows}, quiet=True)
+    _write(out, header | {"rows": rows})
     return 0
 
 

@@ -79,6 +79,12 @@ def test_zaya1_widths_draw_around_zaya1_base_and_most_fit_8_h100s():
     (["--widths=gpu"], "--widths gpu is for a GPU's compiler: add --gpu-target FILE"),
     (["--widths=zaya1"], "--widths zaya1 is for a GPU's compiler: add --gpu-target FILE"),
     (["--repredict=/nonexistent.json"], "--repredict /nonexistent.json: not a report this script wrote"),
+    (["--nearly-full=benchmarks/explorer_drawn_shapes_h100_zaya1_seeds24_35.json"],
+     "--nearly-full compiles for deviceless GPUs: add --gpu-target FILE"),
+    (["--nearly-full=/nonexistent.json", "--gpu-target=benchmarks/gpu_targets/h100_sxm.txtpb"],
+     "--nearly-full /nonexistent.json: not a report this script wrote"),
+    (["--nearly-full=benchmarks/explorer_drawn_shapes_seeds204_215.json",
+      "--gpu-target=benchmarks/gpu_targets/h100_sxm.txtpb"], "its steps were not sized for their HBM (8 fake CPU devices)"),
     (["--gpu-target=/nonexistent.txtpb"], "--gpu-target /nonexistent.txtpb: No such file or directory"),
     # Without JAX's CUDA plugin (CI installs none) the real target config is refused for that.
     (["--gpu-target=benchmarks/gpu_targets/h100_sxm.txtpb"], "--gpu-target needs JAX's CUDA plugin for this jax"),
