@@ -105,7 +105,6 @@ def main(argv=None) -> int:
 
     from zaya_jax import hardware
     from zaya_jax.explore import memory
-    from zaya_jax.explore.against_xla import compile_layout
     from zaya_jax.explore.explorer import candidates
     from zaya_jax.explore.held_out import BASE, draw
     from zaya_jax.explore.placement import describe
@@ -134,20 +133,12 @@ def main(argv=None) -> int:
             if not fitting:
                 print(f"seed {seed}: no layout fits {hw.name}'s memory: none compiled", flush=True)
         for sizes in random.Random(seed).sample(fitting, min(args.layouts, len(fitting))):
-            start = time.perf_counter()
-            # The kernels are built for the devices
-            got = compile_layout(os.path.join(ROOT, config), overrides, sizes, devices[:8], terms=True)
-            if "error" in got:
-                print(f"seed {seed} {describe(sizes)}: {got['error']}", flush=True)
-                continue
-            predicted = memory.by_term(memory.predict(run, sizes))
-            row = {"seed": seed, "overrides": overrides, "layout": describe(sizes), "predicted": predicted,
-                   "xla": got["terms"], "ratio": sum(got["terms"].values()) / sum(predicted.values()),
-                   "compile_s": round(time.perf_counter() - start, 1)}
-            rows.append(row)
-            print(f"seed {seed:2d}  {row['layout']:28s} XLA/predicted {row['ratio']:.2f}  "
-                  f"({row['compile_s']:.0f} s)", flush=True)
-            _write(args.out, header | {"rows": rows}, quiet=True)
+            row = _compiled_row(seed, overrides, describe(sizes), run, config, devices)
+            if row:
+                rows.append(row)
+                print(f"seed {seed:2d}  {row['layout']:28s} XLA/predicted {row['ratio']:.2f}  "
+                      f"({row['compile_s']:.0f} s)", flush=True)
+                _write(args.out, header | {"rows": rows}, quiet=True)
     _write(args.out, header | {"rows": rows})
     return 0
 
@@ -168,8 +159,6 @@ def _nearly_full(path: str, gpu_target: str, out: str) -> int:
     import jax
 
     from zaya_jax import hardware
-    from zaya_jax.explore import memory
-    from zaya_jax.explore.against_xla import compile_layout
 
     devices = _deviceless_gpus(gpu_target)
     hw = hardware.profile(hw_name)
@@ -177,24 +166,35 @@ def _nearly_full(path: str, gpu_target: str, out: str) -> int:
     header = {"device": f"8 deviceless {devices[0].device_kind} devices, the layouts of {os.path.basename(path)}"
                         f"{NEARLY_FULL}", "hardware": hw.name, "jax": jax.__version__, "config": config}
     rows = []
-    for row in rows_in:
-        start = time.perf_counter()
-        sizes = _sizes(row["layout"])
-        got = compile_layout(os.path.join(ROOT, config), row["overrides"], sizes, devices[:8], terms=True)
-        if "error" in got:
-            print(f"seed {row['seed']} {row['layout']}: {got['error']}", flush=True)
-            continue
-        predicted = memory.by_term(memory.predict(_workload(row["overrides"], hw, config), sizes))
-        rows.append({"seed": row["seed"], "overrides": row["overrides"], "layout": row["layout"],
-                     "predicted": predicted, "xla": got["terms"],
-                     "ratio": sum(got["terms"].values()) / sum(predicted.values()),
-                     "compile_s": round(time.perf_counter() - start, 1)})
-        print(f"seed {row['seed']:2d}  {row['layout']:28s} XLA/predicted {rows[-1]['ratio']:.2f}  XLA's total "
-              f"{sum(got['terms'].values()) / 2 ** 30:.2f} GiB ({sum(row['xla'].values()) / 2 ** 30:.2f} with its own "
-              f"HBM)  ({rows[-1]['compile_s']:.0f} s)", flush=True)
-        _write(out, header | {"rows": rows}, quiet=True)
+    for before in rows_in:
+        row = _compiled_row(before["seed"], before["overrides"], before["layout"],
+                            _workload(before["overrides"], hw, config), config, devices)
+        if row:
+            rows.append(row)
+            print(f"seed {row['seed']:2d}  {row['layout']:28s} XLA/predicted {row['ratio']:.2f}  XLA's total "
+                  f"{sum(row['xla'].values()) / 2 ** 30:.2f} GiB ({sum(before['xla'].values()) / 2 ** 30:.2f} with "
+                  f"its own HBM)  ({row['compile_s']:.0f} s)", flush=True)
+            _write(out, header | {"rows": rows}, quiet=True)
     _write(out, header | {"rows": rows})
     return 0
+
+
+def _compiled_row(seed: int, overrides: list[str], layout: str, run, config: str, devices) -> dict | None:
+    """One layout compiled on the 8 `devices` (its kernels built for them) beside the current
+    model's prediction for `run`, as a report's row; None (said why) when it cannot be built here."""
+    from zaya_jax.explore import memory
+    from zaya_jax.explore.against_xla import compile_layout
+
+    start = time.perf_counter()
+    sizes = _sizes(layout)
+    got = compile_layout(os.path.join(ROOT, config), overrides, sizes, devices[:8], terms=True)
+    if "error" in got:
+        print(f"seed {seed} {layout}: {got['error']}", flush=True)
+        return None
+    predicted = memory.by_term(memory.predict(run, sizes))
+    return {"seed": seed, "overrides": overrides, "layout": layout, "predicted": predicted, "xla": got["terms"],
+            "ratio": sum(got["terms"].values()) / sum(predicted.values()),
+            "compile_s": round(time.perf_counter() - start, 1)}
 
 
 def _write(out: str, report: dict, quiet: bool = False) -> None:
