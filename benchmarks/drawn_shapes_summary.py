@@ -34,7 +34,8 @@ from explorer_drawn_shapes import repredicted  # noqa: E402
 # The reports compiled as a device compiles for its own memory, by compiler (`memory.UNDERESTIMATE`'s
 # keys), told by the report's device: a mocked GPU and a roomy deviceless one spend memory they have
 # to spare on steps of a few MiB, and are listed but left out of the compilers' totals. Steps sized
-# for the GPU (`--widths zaya1`) are compiled for its own HBM, as a run is.
+# for the GPU (`--widths zaya1`) are compiled for its own HBM, as a run is, and again as if it were nearly
+# full (`--nearly-full`: the same layouts, as one at the edge of fitting is scheduled).
 COMPILERS = {"8 fake CPU devices": "cpu", "scheduled as if nearly full": "gpu", "steps sized for their HBM": "gpu"}
 WITHIN = 0.10
 GAP_SHARES = [i / 200 for i in range(41)]  # 0, 0.005, ..., 0.2: the gap shares the ceiling tries
