@@ -133,7 +133,7 @@ def main(argv=None) -> int:
             if not fitting:
                 print(f"seed {seed}: no layout fits {hw.name}'s memory: none compiled", flush=True)
         for sizes in random.Random(seed).sample(fitting, min(args.layouts, len(fitting))):
-            row = _compiled_row(seed, overrides, describe(sizes), run, config, devices)
+            row = _compiled_row(seed, overrides, describe(sizes), header, devices)
             if row:
                 rows.append(row)
                 print(f"seed {seed:2d}  {row['layout']:28s} XLA/predicted {row['ratio']:.2f}  "
@@ -158,17 +158,12 @@ def _nearly_full(path: str, gpu_target: str, out: str) -> int:
               "it is for a --widths zaya1 report")
     import jax
 
-    from zaya_jax import hardware
-
     devices = _deviceless_gpus(gpu_target)
-    hw = hardware.profile(hw_name)
-    config = report_config(source)
     header = {"device": f"8 deviceless {devices[0].device_kind} devices, the layouts of {os.path.basename(path)}"
-                        f"{NEARLY_FULL}", "hardware": hw.name, "jax": jax.__version__, "config": config}
+                        f"{NEARLY_FULL}", "hardware": hw_name, "jax": jax.__version__, "config": report_config(source)}
     rows = []
     for before in rows_in:
-        row = _compiled_row(before["seed"], before["overrides"], before["layout"],
-                            _workload(before["overrides"], hw, config), config, devices)
+        row = _compiled_row(before["seed"], before["overrides"], before["layout"], header, devices)
         if row:
             rows.append(row)
             print(f"seed {row['seed']:2d}  {row['layout']:28s} XLA/predicted {row['ratio']:.2f}  XLA's total "
@@ -179,22 +174,21 @@ def _nearly_full(path: str, gpu_target: str, out: str) -> int:
     return 0
 
 
-def _compiled_row(seed: int, overrides: list[str], layout: str, run, config: str, devices) -> dict | None:
-    """One layout compiled on the 8 `devices` (its kernels built for them) beside the current
-    model's prediction for `run`, as a report's row; None (said why) when it cannot be built here."""
-    from zaya_jax.explore import memory
+def _compiled_row(seed: int, overrides: list[str], layout: str, header: dict, devices) -> dict | None:
+    """One layout compiled on the 8 `devices` (its kernels built for them), on top of the experiment
+    `header` names, beside the current model's prediction for its hardware (`predict_row`), as a
+    report's row; None (said why) when it cannot be built here."""
     from zaya_jax.explore.against_xla import compile_layout
 
     start = time.perf_counter()
-    sizes = _sizes(layout)
-    got = compile_layout(os.path.join(ROOT, config), overrides, sizes, devices[:8], terms=True)
+    got = compile_layout(os.path.join(ROOT, report_config(header)), overrides, _sizes(layout), devices[:8], terms=True)
     if "error" in got:
         print(f"seed {seed} {layout}: {got['error']}", flush=True)
         return None
-    predicted = memory.by_term(memory.predict(run, sizes))
-    return {"seed": seed, "overrides": overrides, "layout": layout, "predicted": predicted, "xla": got["terms"],
-            "ratio": sum(got["terms"].values()) / sum(predicted.values()),
-            "compile_s": round(time.perf_counter() - start, 1)}
+    row = {"seed": seed, "overrides": overrides, "layout": layout, "xla": got["terms"],
+           "compile_s": round(time.perf_counter() - start, 1)}
+    predict_row(row, header)
+    return row
 
 
 def _write(out: str, report: dict, quiet: bool = False) -> None:
