@@ -359,9 +359,10 @@ def emit(result: dict) -> int:
     return 0
 
 
-def step_overrides(layers: int, seq_len: int, batch: int) -> list[str]:
+def step_overrides(layers: int, seq_len: int, batch: int, micro_batches: int | None = None) -> list[str]:
+    """The step's shape: `batch` sequences of `seq_len`, in `micro_batches` (default one sequence each)."""
     return [f"--config.model.num_hidden_layers={layers}", f"--config.train.seq_len={seq_len}",
-            f"--config.train.global_batch_size={batch}", f"--config.train.grad_accum_steps={batch}",
+            f"--config.train.global_batch_size={batch}", f"--config.train.grad_accum_steps={micro_batches or batch}",
             "--config.mesh.data=1", "--config.mesh.fsdp=1"]
 
 
