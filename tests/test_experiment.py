@@ -63,6 +63,7 @@ def test_overrides_are_parsed_as_the_key_type():
     (["--config.eval.prompts=['def f', '']"], "eval.prompts must be a list of non-empty texts"),
     (["--config.eval.prompts=['x']", "--config.eval.prompt_tokens=128"], "eval.prompt_tokens (128) must be below"),
     (["--config.eval.task_limit=-1"], "eval.task_limit must be >= 0"),
+    (["--config.optim.muon_ns_dtype=fp8"], "optim.muon_ns_dtype must be one of auto, float32, bfloat16, got 'fp8'"),
 ])
 def test_bad_overrides_name_the_problem(overrides, words):
     with pytest.raises(ZayaError, match=None) as err:

@@ -12,7 +12,7 @@ from zaya_jax.config import preset
 from zaya_jax.errors import ZayaError
 from zaya_jax.experiment import base_config
 from zaya_jax.train.flat_model import model_def
-from zaya_jax.train.muon import MatrixView, MuonState, newton_schulz, orthogonal_update, scale_by_muon
+from zaya_jax.train.muon import MatrixView, MuonState, newton_schulz, ns_dtype, orthogonal_update, scale_by_muon
 from zaya_jax.train.optim import build_optimizer, learning_rate_schedule, rule_for, warmup_steps
 
 
@@ -29,6 +29,66 @@ def test_newton_schulz_is_near_orthogonal(shape):
     cos = np.sum(np.asarray(x) * polar, axis=(-2, -1)) / (
         np.linalg.norm(np.asarray(x), axis=(-2, -1)) * np.linalg.norm(polar, axis=(-2, -1)))
     assert np.all(cos > 0.97)
+
+
+@pytest.mark.parametrize("shape", [(64, 64), (64, 256), (256, 64), (4, 96, 160)])
+def test_bf16_newton_schulz_is_near_orthogonal_and_near_the_fp32_one(shape):
+    g = jax.random.normal(jax.random.key(5), shape)
+    half = newton_schulz(g, steps=5, dtype=jnp.bfloat16)
+    assert half.dtype == jnp.bfloat16
+    half = np.asarray(half, np.float32)
+    full = np.asarray(newton_schulz(g, steps=5))
+    sv = np.linalg.svd(half, compute_uv=False)
+    assert sv.min() > 0.6 and sv.max() < 1.25, (sv.min(), sv.max())
+    # bf16 keeps 8 significant bits; five iterations of three rounded products stay within a few %.
+    err = np.linalg.norm(half - full, axis=(-2, -1)) / np.linalg.norm(full, axis=(-2, -1))
+    assert np.all(err < 0.03), err
+
+
+@pytest.mark.parametrize("shape", [(96, 96), (48, 160), (160, 48)])
+def test_bf16_newton_schulz_tracks_torch_optim_muons(shape):
+    """torch.optim.Muon's own Newton–Schulz (bf16, as shipped) on the same matrix: the same
+    iteration, rounded alike up to where each library rounds its products."""
+    torch = pytest.importorskip("torch")
+    from torch.optim import _muon
+
+    g = np.asarray(jax.random.normal(jax.random.key(6), shape))
+    theirs = _muon._zeropower_via_newtonschulz(torch.tensor(g), (3.4445, -4.7750, 2.0315), 5, 1e-7)
+    theirs = theirs.float().numpy()
+    ours = np.asarray(newton_schulz(jnp.asarray(g), steps=5, dtype=jnp.bfloat16), np.float32)
+    full = np.asarray(newton_schulz(jnp.asarray(g), steps=5))
+    rel = np.linalg.norm(ours - theirs) / np.linalg.norm(theirs)
+    # Each side rounds its own products (XLA's and torch's bf16 GEMMs round differently), so the two
+    # bf16 results differ by about twice what either differs from the fp32 iteration (1-2%): 2-3%.
+    # A wrong coefficient or a missing normalisation moves them 30% and more apart.
+    assert rel < 0.04, rel
+    assert np.linalg.norm(ours - full) / np.linalg.norm(full) < 0.03
+
+
+def test_newton_schulz_runs_in_bf16_on_gpu_targets_and_fp32_on_cpu():
+    assert [ns_dtype("auto", t) for t in ("cuda", "rocm", "cpu", None)] == ["bfloat16", "bfloat16", "float32", "float32"]
+    assert ns_dtype("float32", "cuda") == "float32" and ns_dtype("bfloat16", "cpu") == "bfloat16"
+    params = {"layers/experts/gate": jnp.ones((2, 3, 16, 8))}
+
+    def product_dtypes(target):
+        optim = base_config().optim
+        tx = build_optimizer(optim, 10, {"layers/experts/gate": ("layers", "experts", None, None)}, target=target)[0]
+        jaxpr = jax.make_jaxpr(lambda g, s: tx.update(g, s, params))(params, tx.init(params))
+        return {str(e.invars[0].aval.dtype) for e in _equations(jaxpr.jaxpr) if e.primitive.name == "dot_general"}
+
+    assert product_dtypes("cuda") == {"bfloat16"}
+    assert product_dtypes("cpu") == {"float32"}
+
+
+def _equations(jaxpr):
+    for e in jaxpr.eqns:
+        yield e
+        for sub in jax.core.subjaxprs(e) if hasattr(jax.core, "subjaxprs") else ():
+            yield from _equations(sub)
+        for value in e.params.values():
+            inner = getattr(value, "jaxpr", None)
+            if inner is not None:
+                yield from _equations(getattr(inner, "jaxpr", inner))
 
 
 @pytest.mark.parametrize("shape, view", [

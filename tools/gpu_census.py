@@ -134,13 +134,16 @@ def calibration(devices, report: dict, overrides) -> dict:
 
     prof = report["parts"]["profile"]
     shape = (prof["layers"], prof["seq_len"], prof["batch"], prof["micro_batches"])
-    profiled = compile_census(devices, *shape, overrides)
+    # The steps as they ran: a report from before bf16 Newton–Schulz ran it in fp32.
+    ran = [*overrides, f"--config.optim.muon_ns_dtype={prof.get('muon_ns_dtype', 'float32')}"]
+    profiled = compile_census(devices, *shape, ran)
     rates = step_census.fit_rates(profiled["ops"], prof["rows"])
     checks = [{"layers": prof["layers"], "micro_batches": prof["micro_batches"], "measured_s": prof["step_s"],
                "predicted_s": sum(step_census.predict(profiled["ops"], rates).values()), "fitted": True}]
     step = report["parts"].get("step") or {}
     if step.get("step_s") and step.get("layers"):
-        timed = compile_census(devices, step["layers"], step["seq_len"], step["batch"], step["micro_batches"], overrides)
+        ran = [*overrides, f"--config.optim.muon_ns_dtype={step.get('muon_ns_dtype', 'float32')}"]
+        timed = compile_census(devices, step["layers"], step["seq_len"], step["batch"], step["micro_batches"], ran)
         checks.append({"layers": step["layers"], "micro_batches": step["micro_batches"], "measured_s": step["step_s"],
                        "predicted_s": sum(step_census.predict(timed["ops"], rates).values()), "fitted": False})
     return {"device": report.get("device", {}).get("slug"), "jax": report.get("jax"), "rates": rates, "checks": checks}

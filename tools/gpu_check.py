@@ -305,8 +305,8 @@ def run_profile(ctx: dict, budget: float) -> dict:
     with open(path) as f:
         profiled = json.load(f)
     keep = ("layers", "seq_len", "batch", "micro_batches", "model", "kernels", "remat", "step_s", "rows",
-            "unmatched_ms_per_step")
-    return {**out, "status": "ok", "json": shown_path(path), **{k: profiled[k] for k in keep}}
+            "unmatched_ms_per_step", "muon_ns_dtype")
+    return {**out, "status": "ok", "json": shown_path(path), **{k: profiled.get(k) for k in keep}}
 
 
 def run_step(ctx: dict, budget: float) -> dict:
@@ -448,6 +448,7 @@ def time_step(args, layers: int, device, limit: int, deadline: float) -> dict:
     from zaya_jax.experiment import load_experiment
     from zaya_jax.hardware import detect, profile
     from zaya_jax.train.flops import mfu, training_flops_per_token
+    from zaya_jax.train.muon import ns_dtype
     from zaya_jax.train.program import build_program
 
     exp = load_experiment(EXPERIMENT, step_overrides(layers, args.seq_len, args.batch) + args.overrides)
@@ -457,7 +458,7 @@ def time_step(args, layers: int, device, limit: int, deadline: float) -> dict:
            "model": {k: getattr(m, k) for k in ("hidden_size", "num_hidden_layers", "num_experts",
                                                  "num_attention_heads", "num_key_value_heads", "head_dim",
                                                  "moe_intermediate_size", "vocab_size", "compute_dtype")},
-           "kernels": program.kernels(),
+           "kernels": program.kernels(), "muon_ns_dtype": ns_dtype(exp.config.optim.muon_ns_dtype, program.target),
            "remat": c.remat, "params": int(sum(x.size for x in jax.tree.leaves(program.abstract_state().params))),
            "limit_bytes": limit}
     say(f"compiling {layers} layers, {c.global_batch_size} × {c.seq_len} tokens per step")

@@ -97,6 +97,7 @@ def profile_step(args, extra: list[str]) -> dict:
     from gpu_check import EXPERIMENT, step_overrides, synthetic_batch
     from zaya_jax.experiment import load_experiment
     from zaya_jax.explore.calibration import MODEL_FIELDS
+    from zaya_jax.train.muon import ns_dtype
     from zaya_jax.train.program import build_program
 
     exp = load_experiment(EXPERIMENT, step_overrides(args.layers, args.seq_len, args.batch) + extra)
@@ -127,6 +128,7 @@ def profile_step(args, extra: list[str]) -> dict:
             "layers": args.layers, "seq_len": c.seq_len, "batch": c.global_batch_size, "micro_batches": c.grad_accum_steps,
             "model": {k: getattr(m, k) for k in MODEL_FIELDS},
             "kernels": program.kernels(), "remat": c.remat, "compile_phases_s": phases,
+            "muon_ns_dtype": ns_dtype(exp.config.optim.muon_ns_dtype, program.target),
             "step_s": float(np.median(times[2:])), "loss": float(metrics["loss"]), "rows": rows,
             "unmatched_ms_per_step": unmatched}
 

@@ -17,6 +17,7 @@ from zaya_jax.model.remat import REMAT_POLICIES as _POLICIES
 
 REMAT_POLICIES = tuple(_POLICIES)
 BALANCERS = ("spread", "adam")  # optim.balancer: train/balancing.py
+NS_DTYPES = ("auto", "float32", "bfloat16")  # optim.muon_ns_dtype (train/muon.py: ns_dtype)
 
 # Keys whose value may legitimately be None, with the types allowed otherwise.
 NULLABLE = {
@@ -88,6 +89,8 @@ def _optim() -> dict:
         muon_momentum=0.95,
         muon_nesterov=True,
         muon_ns_steps=5,  # Newton–Schulz iterations
+        # the dtype of its products: auto = bfloat16 on GPUs (as torch.optim.Muon), float32 on CPU
+        muon_ns_dtype="auto",
         muon_rms=0.2,  # update RMS Muon is scaled to (AdamW's typical update RMS)
         # ZAYA1's bias balancer (train/balancing.py): each step every bias moves against its expert's
         # overload E·load − 1. spread: by balance_lr × the overload × the spread of the router's

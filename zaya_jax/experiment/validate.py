@@ -18,7 +18,7 @@ from zaya_jax.data.mixture import parse_mixture
 from zaya_jax.errors import ZayaError
 from zaya_jax.kernels import xla_flags
 from zaya_jax.kernels.registry import KERNEL_FIELDS, resolve as resolve_kernel
-from zaya_jax.experiment.schema import BALANCERS, REMAT_POLICIES
+from zaya_jax.experiment.schema import BALANCERS, NS_DTYPES, REMAT_POLICIES
 from zaya_jax.parallel.axes import MESH_AXES
 
 BYTE_VOCAB = 259
@@ -148,6 +148,8 @@ def _optim(c, model) -> str | None:
          "optim.b1, b2, balance_b1, balance_b2 and muon_momentum must be in [0, 1)"),
         (o.eps > 0 and o.muon_rms > 0, "optim.eps and optim.muon_rms must be positive"),
         (o.muon_ns_steps >= 1, f"optim.muon_ns_steps must be >= 1, got {o.muon_ns_steps}"),
+        (o.muon_ns_dtype in NS_DTYPES,
+         f"optim.muon_ns_dtype must be one of {', '.join(NS_DTYPES)}, got {o.muon_ns_dtype!r}"),
         (o.balance_lr >= 0, f"optim.balance_lr must be >= 0, got {o.balance_lr}"),
         (o.balancer in BALANCERS, f"optim.balancer must be one of {', '.join(BALANCERS)}, got {o.balancer!r}"),
     ]

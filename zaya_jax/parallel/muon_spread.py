@@ -34,9 +34,10 @@ from jax.sharding import Mesh, PartitionSpec as P
 
 from zaya_jax.parallel.rules import entry_axes, merged_spec, spec_entry, spread_axes
 
-# Matrix elements per device per pass: 16M fp32 (64 MiB) is 4 of ZAYA1-base's [2048 x 2048]
-# expert matrices, or 32 of its [2048 x 256] attention ones: enough to keep a GPU busy.
-PASS_ELEMENTS = 1 << 24
+# Matrix elements per device per pass: 256M (1 GiB of fp32 input) is 64 of ZAYA1-base's [2048 x 2048]
+# expert matrices: each pass is one batched product per Newton–Schulz iteration, so fewer, larger
+# passes launch fewer kernels (16 layers' experts in 4 passes per weight), at ~5 such GiB of temporaries.
+PASS_ELEMENTS = 1 << 28
 
 
 def spread_matrices(mesh: Mesh, held: dict | None = None, pass_elements: int = PASS_ELEMENTS):

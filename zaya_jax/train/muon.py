@@ -5,6 +5,11 @@ matrices, one per expert), the update is `NS5(m) · rms · sqrt(max(fan_in, fan_
 orthogonalised matrix has RMS `1/sqrt(max(fan_in, fan_out))`, so the factor gives every Muon
 update the RMS `rms` (0.2, the typical AdamW update RMS, as in Moonlight) and lets Muon share
 AdamW's learning rate and weight decay.
+
+The iterations run in `ns_dtype`: bfloat16 products, as Keller Jordan's Muon, Moonlight and
+`torch.optim.Muon` run them (the default on GPUs: `ns_dtype`), or float32 (the default on CPU, where
+the trajectory comparison with PyTorch is exact). Each weight's matrices (every layer's, every
+expert's) are one batch: one batched product per iteration for the whole stack.
 """
 
 from __future__ import annotations
@@ -23,6 +28,13 @@ import optax
 NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
 
 
+def ns_dtype(name: str, target: str | None) -> str:
+    """The dtype Newton–Schulz iterates in for the config's `name` on kernel target `target`."""
+    if name != "auto":
+        return name
+    return "bfloat16" if target in ("cuda", "rocm") else "float32"
+
+
 @dataclasses.dataclass(frozen=True)
 class MatrixView:
     """How an N-d weight reads as a batch of matrices: leading batch axes, then fan-in axes."""
@@ -37,34 +49,42 @@ class MatrixView:
         return x.reshape(*batch, fan_in, -1)
 
 
-def newton_schulz(g: jax.Array, steps: int = 5, eps: float = 1e-7) -> jax.Array:
-    """Approximately orthogonalise the last two dims of `g` (the polar factor U Vᵀ of its SVD)."""
+def newton_schulz(g: jax.Array, steps: int = 5, eps: float = 1e-7, dtype=jnp.float32) -> jax.Array:
+    """Approximately orthogonalise the last two dims of `g` (the polar factor U Vᵀ of its SVD),
+    iterating in `dtype`; the result is in `dtype`.
+
+    Each iteration is `x ← a·x + (b·A + c·A²)·x` with `A = x·xᵀ`, written as three products
+    `A = x·xᵀ`, `B = A·(c·A + b·I) + a·I`, `x ← B·x` so the scalars ride on two elementwise passes over
+    the small [rows, rows] side instead of three over `x` (the scaled copies and the sum)."""
     a, b, c = NS_COEFFICIENTS
     wide = g.shape[-2] <= g.shape[-1]
     x = g if wide else jnp.swapaxes(g, -1, -2)
-    # The scope names these products in a profile (tools/profile_step.py): on one GPU they are a
-    # third of a ZAYA1-width step.
+    # The scope names these products in a profile and the census (tools/gpu_census.py).
     with jax.named_scope("newton_schulz"):
         # max(‖x‖, eps), not ‖x‖ + eps: the router's momenta have norms of 1e-6..1e-5, where an added
         # eps would shrink their update by up to 4% (torch.optim.Muon clamps the same way).
-        x = x / jnp.maximum(jnp.linalg.norm(x, axis=(-2, -1), keepdims=True), eps)
+        x = x.astype(jnp.float32)
+        x = (x / jnp.maximum(jnp.linalg.norm(x, axis=(-2, -1), keepdims=True), eps)).astype(dtype)
+        eye = jnp.eye(x.shape[-2], dtype=jnp.float32)
         for _ in range(steps):
             gram = x @ jnp.swapaxes(x, -1, -2)  # the small side: [rows, rows]
-            x = a * x + (b * gram + c * gram @ gram) @ x
+            # The scalars in fp32 inside the elementwise pass: no rounding of a, b, c to bf16.
+            poly = (c * gram.astype(jnp.float32) + b * eye).astype(dtype)
+            x = ((gram @ poly).astype(jnp.float32) + a * eye).astype(dtype) @ x
     return x if wide else jnp.swapaxes(x, -1, -2)
 
 
 def orthogonal_update(m: jax.Array, view: MatrixView, steps: int, rms: float, spread: Callable | None = None,
-                      key: str | None = None) -> jax.Array:
+                      key: str | None = None, dtype: str = "float32") -> jax.Array:
     """The Muon direction of `m` (the weight `key`). `spread(fn, mats, key)` runs the Newton–Schulz
     iterations over the [*batch, fan_in, fan_out] matrices (the program's `parallel.muon_spread`:
     whole matrices spread over its devices, each orthogonalising its share a few at a time); None:
-    all here at once."""
+    all here at once. The iterations run in `dtype`."""
     mats = view.to_matrices(m.astype(jnp.float32))
     scale = rms * math.sqrt(max(mats.shape[-2], mats.shape[-1]))
-    orthogonalise = functools.partial(newton_schulz, steps=steps)
+    orthogonalise = functools.partial(newton_schulz, steps=steps, dtype=jnp.dtype(dtype))
     out = orthogonalise(mats) if spread is None else spread(orthogonalise, mats, key)
-    return (out * scale).reshape(m.shape).astype(m.dtype)
+    return (out.astype(jnp.float32) * scale).reshape(m.shape).astype(m.dtype)
 
 
 class MuonState(NamedTuple):
@@ -72,7 +92,7 @@ class MuonState(NamedTuple):
 
 
 def scale_by_muon(views: dict[str, MatrixView], momentum: float = 0.95, nesterov: bool = True,
-                  ns_steps: int = 5, rms: float = 0.2, spread=None) -> optax.GradientTransformation:
+                  ns_steps: int = 5, rms: float = 0.2, spread=None, dtype: str = "float32") -> optax.GradientTransformation:
     """Muon direction for a flat `{path: array}` tree; `views` gives each path's matrix view.
 
     Leaves that another transform owns (optax.multi_transform masks) are skipped by tree_map.
@@ -86,7 +106,8 @@ def scale_by_muon(views: dict[str, MatrixView], momentum: float = 0.95, nesterov
         direction = (jax.tree.map(lambda m, g: momentum * m + (1 - momentum) * g, new_m, updates)
                      if nesterov else new_m)
         out = jax.tree_util.tree_map_with_path(
-            lambda path, d: orthogonal_update(d, views[path[-1].key], ns_steps, rms, spread, path[-1].key), direction)
+            lambda path, d: orthogonal_update(d, views[path[-1].key], ns_steps, rms, spread, path[-1].key, dtype),
+            direction)
         return out, MuonState(new_m)
 
     return optax.GradientTransformation(init, update)

@@ -20,7 +20,7 @@ import optax
 
 from zaya_jax.errors import ZayaError
 from zaya_jax.model.layer_stack import LAYER_AXIS
-from zaya_jax.train.muon import MatrixView, scale_by_muon
+from zaya_jax.train.muon import MatrixView, ns_dtype, scale_by_muon
 
 
 @dataclasses.dataclass(frozen=True)
@@ -98,17 +98,19 @@ def stacked_view(view: MatrixView, axes: tuple[str, ...] | None) -> MatrixView:
     return dataclasses.replace(view, batch_axes=view.batch_axes + int(stacked))
 
 
-def build_optimizer(optim, total_steps: int, param_axes, spread=None) -> tuple[optax.GradientTransformation, optax.Schedule]:
+def build_optimizer(optim, total_steps: int, param_axes, spread=None,
+                    target: str | None = None) -> tuple[optax.GradientTransformation, optax.Schedule]:
     """optax transform for a flat `{path: array}` param dict, given `{path: logical axes}`, and
     its learning-rate schedule. `spread` runs Muon's Newton–Schulz over its batches of matrices (see
-    `muon.orthogonal_update`)."""
+    `muon.orthogonal_update`); `target` (the program's kernel target) resolves `optim.muon_ns_dtype`."""
     rules = {path: rule_for(path) for path in param_axes}
     labels = {path: rule.optimizer for path, rule in rules.items()}
     decay_mask = {path: rule.decay for path, rule in rules.items()}
     views = {path: stacked_view(rule.view, param_axes[path]) for path, rule in rules.items() if rule.optimizer == "muon"}
     schedule = learning_rate_schedule(optim, total_steps)
     muon = optax.chain(
-        scale_by_muon(views, optim.muon_momentum, optim.muon_nesterov, optim.muon_ns_steps, optim.muon_rms, spread),
+        scale_by_muon(views, optim.muon_momentum, optim.muon_nesterov, optim.muon_ns_steps, optim.muon_rms, spread,
+                      ns_dtype(optim.muon_ns_dtype, target)),
         optax.add_decayed_weights(optim.weight_decay, mask=decay_mask),
         optax.scale_by_learning_rate(schedule),
     )

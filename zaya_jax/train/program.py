@@ -65,7 +65,7 @@ class Program:
         # Muon's matrices start and end where their optimizer state lives.
         held = {k: (s.spec, self.modeldef.param_shapes[k]) for k, s in self.optimizer_shardings().items()}
         self.tx, self.lr_schedule = build_optimizer(c.optim, c.train.steps, self.modeldef.param_axes,
-                                                    spread=spread_matrices(self.mesh, held))
+                                                    spread=spread_matrices(self.mesh, held), target=self.target)
         self.balancer = balancing.balancer(c.optim.balancer, c.optim.balance_lr, c.optim.balance_b1,
                                            c.optim.balance_b2)
         # The mesh's schedules run the layers; they look at which axes are split when traced.
