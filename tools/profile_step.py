@@ -44,8 +44,6 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "tools"))
-PARTS = (("newton_schulz", "optimizer"), ("loss", "loss"), ("linear_attention", "linear attention"), ("experts", "experts"),
-         ("router", "router"), ("attention", "attention"), ("norm", "norms"), ("embed", "embedding"))
 TINY = ["--config.model.hidden_size=256", "--config.model.num_experts=4", "--config.model.moe_intermediate_size=256",
         "--config.model.vocab_size=1024", "--config.model.num_attention_heads=4", "--config.model.num_key_value_heads=2",
         "--config.model.head_dim=64"]
@@ -134,50 +132,21 @@ def profile_step(args, extra: list[str]) -> dict:
 
 
 # ---- the trace, matched to the HLO -----------------------------------------------------------
-def instructions(hlo: str) -> dict[str, tuple[str, str]]:
-    """{instruction name: (its text, the computation it is in)} over the optimized module."""
-    from zaya_jax.explore import hlo_census
-
-    out = {}
-    for computation, lines in hlo_census.computations(hlo)[0].items():
-        for line in lines:
-            m = re.match(r"^\s+(?:ROOT )?%?([\w.\-]+) = (.*)$", line)
-            if m:
-                out[m.group(1)] = (m.group(2), computation)
-    return out
-
-
 def kind_of(text: str, called: list[str]) -> str:
-    """The kind of op an instruction is (see the module docstring); `called` holds the instructions
-    of the computations it calls (a fusion's body)."""
-    from zaya_jax.explore import hlo_census
+    """The kind of op an instruction is (see the module docstring): the census's (`explore/step_census.py`),
+    its `gemm` named `matmul` as the profiles the calibration reads name it."""
+    from zaya_jax.explore import step_census
 
-    opcode = _opcode(text)
-    if opcode.removesuffix("-start").removesuffix("-done") in hlo_census.COLLECTIVES:
-        return "collective"
-    if opcode == "custom-call":
-        target = re.search(r'custom_call_target="([^"]*)"', text)
-        target = target.group(1).lower() if target else ""
-        return "matmul" if ("cublas" in target or "gemm" in target) else "kernel"
-    if opcode in ("dot", "convolution") or any(" dot(" in c or " convolution(" in c for c in called):
-        return "matmul"
-    if opcode == "fusion" and "__triton_gemm" in text:
-        return "matmul"
-    if opcode in ("copy", "transpose", "copy-start", "copy-done"):
-        return "copy"
-    return "elementwise"
+    kind = step_census.kind_of(text, called)
+    return "matmul" if kind == "gemm" else kind
 
 
 def part_of(text: str) -> str:
-    name = re.search(r'op_name="([^"]*)"', text)
-    name = name.group(1) if name else ""
-    direction = " bwd" if "transpose(" in name else ""
-    for key, part in PARTS:
-        if key in name:
-            return part + direction
-    if "opt_state" in name or "update" in name or "optax" in name or "muon" in name.lower():
-        return "optimizer"
-    return ("other" + direction) if name else "no scope"
+    """The census's model part, its Newton–Schulz counted in `optimizer` as the calibration reads it."""
+    from zaya_jax.explore import step_census
+
+    part = step_census.part_of(text)
+    return "optimizer" if part == "newton-schulz" else part
 
 
 def by_kernel_name(name: str) -> tuple[str, str] | None:
@@ -195,16 +164,10 @@ def by_kernel_name(name: str) -> tuple[str, str] | None:
     return None
 
 
-def shape_bytes(text: str) -> int:
-    """Bytes of the first shape (or tuple of shapes) the text writes: an instruction's result."""
-    from zaya_jax.explore import hlo_census
-
-    head = text.split("(", 1)[0] if not text.startswith("(") else text[: _tuple_end(text)]
-    return sum(hlo_census.array_bytes(head))
-
-
 def tally(hlo: str, trace_path: str, steps: int) -> tuple[list[dict], float]:
-    table = instructions(hlo)
+    from zaya_jax.explore import step_census
+
+    table = {name: (i.text, i.computation) for name, i in step_census.instructions(hlo).items()}
     bodies = collections.defaultdict(list)
     for text, computation in table.values():
         bodies[computation].append(text)
@@ -227,7 +190,7 @@ def tally(hlo: str, trace_path: str, steps: int) -> tuple[list[dict], float]:
         row = acc[key]
         row[0] += dur_us
         row[1] += 1
-        row[2] += shape_bytes(text) + _operand_bytes(text, table)
+        row[2] += step_census.shape_bytes(text) + _operand_bytes(text, table)
     total = sum(v[0] for v in acc.values()) or 1.0
     rows = [{"part": part, "kind": kind, "ms_per_step": round(v[0] / 1e3 / steps, 3), "share": round(v[0] / total, 4),
              "ops_per_step": v[1] // steps, "gb_per_step": round(v[2] / 1e9 / steps, 3)}
@@ -259,23 +222,9 @@ def _device_events(trace_path: str) -> list[tuple[str, dict, float]]:
 
 def _operand_bytes(text: str, table: dict) -> int:
     args = text.split("(", 1)[1] if "(" in text else ""
-    return sum(shape_bytes(table[o][0]) for o in re.findall(r"%([\w.\-]+)", args.split(")")[0]) if o in table)
+    from zaya_jax.explore import step_census
 
-
-def _opcode(text: str) -> str:
-    """An instruction's opcode: the first `name(` after its result's shape (a tuple's too)."""
-    rest = text[_tuple_end(text):] if text.startswith("(") else text.split(" ", 1)[-1]
-    m = re.search(r"([a-z][\w\-]*)\(", rest)
-    return m.group(1) if m else ""
-
-
-def _tuple_end(text: str) -> int:
-    depth = 0
-    for i, ch in enumerate(text):
-        depth += {"(": 1, ")": -1}.get(ch, 0)
-        if depth == 0:
-            return i + 1
-    return len(text)
+    return sum(step_census.shape_bytes(table[o][0]) for o in re.findall(r"%([\w.\-]+)", args.split(")")[0]) if o in table)
 
 
 def _normal(name: str) -> str:
