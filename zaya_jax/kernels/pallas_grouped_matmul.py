@@ -92,7 +92,9 @@ def work_items(group_sizes, num_rows: int, block_m: int):
     tiles_end = jnp.cumsum(tiles)
     num_items = pl.cdiv(num_rows, block_m) + group_sizes.shape[0]
     item = jnp.arange(num_items, dtype=jnp.int32)
-    group = jnp.searchsorted(tiles_end, item, side="right").astype(jnp.int32)
+    # compare_all: one [W, G+1] comparison; the default binary search is a loop of small kernels
+    # (five trips of several launches each, per grouped matmul on a GPU).
+    group = jnp.searchsorted(tiles_end, item, side="right", method="compare_all").astype(jnp.int32)
     valid = item < tiles_end[-1]
     group_c = jnp.minimum(group, sizes.shape[0] - 1)
     tile = first_tile[group_c] + item - (tiles_end[group_c] - tiles[group_c])

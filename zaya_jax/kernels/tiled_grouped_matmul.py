@@ -53,7 +53,7 @@ def tiles(group_sizes: jax.Array, num_rows: int, tile: int) -> Tiles:
     padded_starts = padded_ends - padded
     count = -(-num_rows // tile) + groups  # static bound on sum(ceil(size / tile))
     first = jnp.arange(count, dtype=jnp.int32) * tile
-    group = jnp.searchsorted(padded_ends, first, side="right").astype(jnp.int32)
+    group = jnp.searchsorted(padded_ends, first, side="right", method="compare_all").astype(jnp.int32)
     group = jnp.minimum(group, groups - 1)
     local = first[:, None] + jnp.arange(tile, dtype=jnp.int32)[None, :] - padded_starts[group][:, None]
     live = (local >= 0) & (local < sizes[group][:, None])
