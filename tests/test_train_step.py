@@ -270,3 +270,20 @@ def test_hybrid_model_trains_like_one_device(single_hybrid, mesh):
     assert ref_params["layers/linear_attn/wq"].shape[0] == 1  # one L layer, stacked apart from CCA's
     for key in ref_params:
         np.testing.assert_allclose(params[key], ref_params[key], rtol=1e-3, atol=2e-5, err_msg=key)
+
+
+def test_the_gradient_step_then_the_update_step_is_the_train_step():
+    """The halves benchmarks time apart (`Program.jitted_gradient_step`, `jitted_update_step`)
+    compose to the train step, two steps running (the second from the first's state), to fp32
+    rounding: three programs fuse their fp32 sums apart."""
+    program = build_program(load_experiment(TINY, _overrides()), devices=jax.devices()[:1])
+    whole, halves = program.init(), program.init()
+    step, gradient, update = program.jitted_train_step(), program.jitted_gradient_step(), program.jitted_update_step()
+    for batch in (random_batch(8, 32), random_batch(8, 32, seed=1)):
+        placed = program.place_batch(batch)
+        whole, metrics = step(whole, placed)
+        grads, sums = gradient(halves.params, halves.biases, placed)
+        halves, split = update(halves, grads, sums)
+        np.testing.assert_allclose(float(split["loss"]), float(metrics["loss"]), rtol=1e-6)
+    for a, b in zip(jax.tree.leaves(jax.device_get(whole)), jax.tree.leaves(jax.device_get(halves))):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=2e-6)

@@ -61,6 +61,7 @@ PLATFORMS = ("cuda", "rocm", "cpu")
 RESERVE_S = 10.0  # kept back for stopping a part that overruns and for writing the report
 RESULT_TAG = "GPU_CHECK_RESULT "
 GIB = 1024 ** 3
+NODE_GPUS = 8  # the node the node-equivalent MFU spreads the update over
 # A guess, not a measurement: the step's layers are unrolled, so its compile time grows with them;
 # without --layers the layer count is also capped to what compiles in the step's budget at this rate.
 COMPILE_S_PER_LAYER = 6.0
@@ -83,7 +84,8 @@ def parse_args(argv):
     p.add_argument("--parts", default=",".join(PARTS), help="comma-separated subset of tests,bench,profile,step")
     p.add_argument("--layers", type=int, help="layers of the timed model (default: as many as fit)")
     p.add_argument("--seq-len", type=int, default=4096, help="tokens per sequence (default 4096)")
-    p.add_argument("--batch", type=int, default=4, help="sequences per step, one per micro-batch (default 4)")
+    p.add_argument("--batch", type=int, default=4, help="sequences per step (default 4, ZAYA1's 16,384 tokens per GPU)")
+    p.add_argument("--micro-batches", type=int, help="micro-batches the step takes them in (default: one sequence each)")
     p.add_argument("--steps", type=int, default=5, help="timed steps after the first (default 5)")
     p.add_argument("--platform", choices=PLATFORMS, help="JAX platform (default: what JAX finds)")
     p.add_argument("--allow-cpu", action="store_true", help="run on CPU (checks the tool, not a GPU)")
@@ -109,10 +111,12 @@ def check_args(args) -> list[str]:
         raise UsageError(f"--parts: {what} (choose from {','.join(PARTS)})")
     if args.budget_s < 60:
         raise UsageError(f"--budget-s must be at least 60 (got {args.budget_s:g}): the parts need time to compile")
-    for name in ("layers", "seq_len", "batch", "steps"):
+    for name in ("layers", "seq_len", "batch", "steps", "micro_batches"):
         value = getattr(args, name)
         if value is not None and value < 1:
             raise UsageError(f"--{name.replace('_', '-')} must be >= 1 (got {value})")
+    if args.micro_batches and args.batch % args.micro_batches:
+        raise UsageError(f"--batch {args.batch} must be a multiple of --micro-batches {args.micro_batches}")
     check_writable(args.out_dir)
     return [x for x in PARTS if x in parts]
 
@@ -319,6 +323,7 @@ def run_step(ctx: dict, budget: float) -> dict:
         left = deadline - time.monotonic()
         cmd = [sys.executable, os.path.abspath(__file__), "--worker=step", f"--layers={layers}",
                f"--seq-len={args.seq_len}", f"--batch={args.batch}", f"--steps={args.steps}",
+               *([f"--micro-batches={args.micro_batches}"] if args.micro_batches else []),
                f"--deadline={time.time() + left - 5:.1f}", *args.overrides]
         run = run_child(cmd, env, left, echo=lambda x: x.startswith("gpu_check: step"))
         res = tagged_result(run["lines"]) or {}
@@ -377,7 +382,7 @@ def memory_estimate(args, layers: int) -> int:
     from zaya_jax.experiment import load_experiment
     from zaya_jax.train.program import build_program
     import jax
-    exp = load_experiment(EXPERIMENT, step_overrides(layers, args.seq_len, args.batch) + args.overrides)
+    exp = load_experiment(EXPERIMENT, step_overrides(layers, args.seq_len, args.batch, args.micro_batches) + args.overrides)
     program = build_program(exp, devices=jax.devices()[:1])
     state = program.abstract_state()
     m, c = exp.model, exp.config.train
@@ -425,7 +430,7 @@ def step_worker(args) -> int:
         from zaya_jax.experiment import load_experiment
         # Loaded before JAX starts: a kernel backend that needs an XLA flag (moe_kernel=cudnn) sets it
         # here, as `zaya train` does, while XLA will still read it.
-        load_experiment(EXPERIMENT, step_overrides(layers or 1, args.seq_len, args.batch) + args.overrides)
+        load_experiment(EXPERIMENT, step_overrides(layers or 1, args.seq_len, args.batch, args.micro_batches) + args.overrides)
         import jax
         device = jax.devices()[0]
         limit = memory_limit(device)
@@ -451,7 +456,7 @@ def time_step(args, layers: int, device, limit: int, deadline: float) -> dict:
     from zaya_jax.train.muon import ns_dtype
     from zaya_jax.train.program import build_program
 
-    exp = load_experiment(EXPERIMENT, step_overrides(layers, args.seq_len, args.batch) + args.overrides)
+    exp = load_experiment(EXPERIMENT, step_overrides(layers, args.seq_len, args.batch, args.micro_batches) + args.overrides)
     program = build_program(exp, devices=[device])
     m, c = exp.model, exp.config.train
     out = {"layers": layers, "seq_len": c.seq_len, "batch": c.global_batch_size, "micro_batches": c.grad_accum_steps,
@@ -502,9 +507,45 @@ def time_step(args, layers: int, device, limit: int, deadline: float) -> dict:
                peak_tflops=hw.peak_bf16_tflops if hw else None, nominal_peak=bool(hw and hw.nominal))
     out["tflops_per_s"] = flops.total * out["tokens_per_s"] / 1e12
     out["mfu"] = mfu(flops.total, out["tokens_per_s"], 1, hw.peak_bf16_tflops) if hw else None
+    if deadline - time.monotonic() > 30:
+        out.update(split_timing(program, state, batch, n, deadline))
+        tokens = c.global_batch_size * c.seq_len
+        if hw and out.get("update_s"):
+            # The gradient step alone, and with the update at its share of an 8-GPU node (distributed
+            # Muon and ZeRO-1 spread it over the node's devices): fair single-GPU figures for a cluster.
+            out["mfu_forward_backward"] = mfu(flops.total, tokens / out["gradient_s"], 1, hw.peak_bf16_tflops)
+            node = out["gradient_s"] + out["update_s"] / NODE_GPUS
+            out["mfu_node_equivalent"] = mfu(flops.total, tokens / node, 1, hw.peak_bf16_tflops)
     if not np.isfinite(out["last_loss"]):
         return {**out, "status": "failed", "error": f"non-finite loss {out['last_loss']}"}
     return {**out, "status": "ok"}
+
+
+def split_timing(program, state, batch, n: int, deadline: float) -> dict:
+    """The train step's two halves compiled and timed apart (median of `n` each, after one warm-up):
+    the gradient step (forward, backward, reduction) and the update (Muon/AdamW, balancer, guard)."""
+    import jax
+    import numpy as np
+
+    gradient, update = program.jitted_gradient_step(), program.jitted_update_step()
+    say("timing the gradient step and the update apart")
+    grads, sums = jax.block_until_ready(gradient(state.params, state.biases, batch))
+    state, _ = jax.block_until_ready(update(state, grads, sums))
+    grad_times, update_times = [], []
+    for _ in range(n):
+        if deadline - time.monotonic() < 10:
+            break
+        grads = sums = None  # one gradient set at a time
+        t = time.perf_counter()
+        grads, sums = jax.block_until_ready(gradient(state.params, state.biases, batch))
+        grad_times.append(time.perf_counter() - t)
+        t = time.perf_counter()
+        state, _ = jax.block_until_ready(update(state, grads, sums))
+        update_times.append(time.perf_counter() - t)
+    if not grad_times:
+        return {}
+    return {"gradient_s": float(np.median(grad_times)), "update_s": float(np.median(update_times)),
+            "gradient_times_s": [round(x, 4) for x in grad_times], "update_times_s": [round(x, 4) for x in update_times]}
 
 
 # ---- the report ------------------------------------------------------------------------------
@@ -572,12 +613,20 @@ def step_section(step: dict) -> list[str]:
             ("step time", f"{step['step_s']:.3f} s (median of {len(step['step_times_s'])})"),
             ("tokens/s", f"{step['tokens_per_s']:,.0f}"),
             ("model TFLOP/s", f"{step['tflops_per_s']:.3g} ({step['flops_per_token'] / 1e9:.3g} GFLOP/token)"),
-            ("MFU", (f"{100 * step['mfu']:.1f}% of {step['peak_tflops']} TFLOP/s ({step['hardware']}"
+            ("MFU, end to end on one device", (f"{100 * step['mfu']:.1f}% of {step['peak_tflops']} TFLOP/s ({step['hardware']}"
                      f"{', nominal' if step.get('nominal_peak') else ''})") if step.get("mfu") is not None else "–"),
+            ("MFU, forward + backward", _split_line(step, "mfu_forward_backward", "gradient_s")),
+            ("MFU, node-equivalent (update / 8)", _split_line(step, "mfu_node_equivalent", "update_s")),
             ("peak memory", f"{_gib(step.get('peak_bytes'))} of {_gib(step.get('limit_bytes'))}"),
             ("loss", f"{step['first_loss']:.3f} → {step['last_loss']:.3f}"),
             ("attempts", ", ".join(f"{a['layers']} layers: {a['status']}" for a in step.get("attempts", [])))]
     return ["", "## Train step", "", "| | |", "|---|---|"] + [f"| {k} | {v} |" for k, v in rows]
+
+
+def _split_line(step: dict, key: str, seconds: str) -> str:
+    if step.get(key) is None:
+        return "–"
+    return f"{100 * step[key]:.1f}% ({seconds.replace('_s', '')} {step[seconds]:.3f} s)"
 
 
 def bench_section(bench: dict) -> list[str]:

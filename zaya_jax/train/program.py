@@ -46,7 +46,7 @@ from zaya_jax.train.flat_model import ModelDef, init_arrays, model_def
 from zaya_jax.train.loss import token_loss
 from zaya_jax.train.optim import build_optimizer
 from zaya_jax.train.step import (BATCH_KEYS, StepConfig, TrainState, init_state, make_eval_step,
-                                 make_score_step, make_train_step)
+                                 make_gradient_step, make_score_step, make_train_step, make_update_step)
 
 
 @dataclasses.dataclass
@@ -162,6 +162,20 @@ class Program:
         step = self._under_mesh(make_train_step(self.modeldef, self.tx, self.balancer, self.lr_schedule,
                                                 self.step_cfg))
         return jax.jit(step, in_shardings=(self.state_shardings, self.batch_sharding()),
+                       out_shardings=(self.state_shardings, self.replicated()), donate_argnums=0)
+
+    def jitted_gradient_step(self):
+        """The train step's first half alone, `(params, biases, batches) -> (grads, sums)`: the
+        forward and backward of every micro-batch and the reduction (benchmarks time it apart)."""
+        step = self._under_mesh(make_gradient_step(self.modeldef, self.step_cfg))
+        return jax.jit(step, in_shardings=(self.state_shardings.params, self.state_shardings.biases,
+                                           self.batch_sharding()))
+
+    def jitted_update_step(self):
+        """The train step's second half alone, `(state, grads, sums) -> (state, metrics)`, the state donated."""
+        step = self._under_mesh(make_update_step(self.modeldef, self.tx, self.balancer, self.lr_schedule,
+                                                 self.step_cfg))
+        return jax.jit(step, in_shardings=(self.state_shardings, self.state_shardings.params, None),
                        out_shardings=(self.state_shardings, self.replicated()), donate_argnums=0)
 
     def _under_mesh(self, fn):

@@ -117,14 +117,14 @@ def make_gradient_step(modeldef: ModelDef, cfg: StepConfig):
     return gradient_step
 
 
-def make_train_step(modeldef: ModelDef, tx: optax.GradientTransformation, balancer: balancing.Balancer,
-                    lr_schedule: Callable, cfg: StepConfig):
-    """`train_step(state, batches) -> (state, metrics)`; `batches` leaves are [A, b, S]."""
+def make_update_step(modeldef: ModelDef, tx: optax.GradientTransformation, balancer: balancing.Balancer,
+                     lr_schedule: Callable, cfg: StepConfig):
+    """`update_step(state, grads, sums) -> (state, metrics)`: the train step's second half, from the
+    reduced mean gradients and `make_gradient_step`'s sums: the bad-step verdict, the Muon/AdamW
+    update, the balancing biases and the metrics. Benchmarks time it apart from the gradients."""
     bias_key = modeldef.bias_key
-    gradient_step = make_gradient_step(modeldef, cfg)
 
-    def train_step(state: TrainState, batches):
-        grads, sums = gradient_step(state.params, state.biases, batches)
+    def update_step(state: TrainState, grads, sums):
         loss, grad_norm, ntok, routes = sums["loss"], sums["grad_norm"], sums["tokens"], sums["routes"]
         counts = routes[:, balancing.TOKENS]
         bad = step_guard.is_bad(state.guard, loss, grad_norm, cfg.guard)
@@ -138,7 +138,22 @@ def make_train_step(modeldef: ModelDef, tx: optax.GradientTransformation, balanc
                    "layer_prob_spread": balancing.probability_moments(routes)[1][:, :-1].mean(-1),
                    "bad_step": bad, "bad_steps": guard.bad_total, "consecutive_bad_steps": guard.consecutive}
         updated = TrainState(state.step + 1, params, biases, opt_state, balance_state, guard)
+        # A select per state leaf; XLA fuses it into the update's own elementwise pass (the census
+        # shows no pass of its own), so skipping costs no traffic.
         return step_guard.keep_if_bad(bad, dataclasses.replace(state, guard=guard), updated), metrics
+
+    return update_step
+
+
+def make_train_step(modeldef: ModelDef, tx: optax.GradientTransformation, balancer: balancing.Balancer,
+                    lr_schedule: Callable, cfg: StepConfig):
+    """`train_step(state, batches) -> (state, metrics)`; `batches` leaves are [A, b, S]."""
+    gradient_step = make_gradient_step(modeldef, cfg)
+    update_step = make_update_step(modeldef, tx, balancer, lr_schedule, cfg)
+
+    def train_step(state: TrainState, batches):
+        grads, sums = gradient_step(state.params, state.biases, batches)
+        return update_step(state, grads, sums)
 
     return train_step
 
