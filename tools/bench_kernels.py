@@ -10,7 +10,9 @@ runs after a warm-up), and reports TFLOP/s, GB/s, the fraction of the device's p
 * grouped matmul (16K tokens routed top-1 over 16 experts, hidden 2048 → expert width 2048,
   bf16): pallas vs xla's ragged_dot, and vs one dense [16K, 2048] × [2048, 2048] matmul with
   the same FLOPs;
-* RMSNorm (16K × 2048, fp32 in, bf16 out): pallas vs xla.
+* RMSNorm (16K × 2048, fp32 in, bf16 out): pallas vs xla;
+* Muon's Newton–Schulz (one pass of 64 [2048 × 2048] expert matrices, five iterations): its
+  products in bfloat16 (the GPU default) vs float32 (TF32 on NVIDIA); forward only, it has no backward.
 
 Absolute times mean something only on a GPU. On CPU the Pallas kernels run in the interpreter;
 use `--size small` there to check the tool end to end. A backend that fails to compile is
@@ -36,8 +38,9 @@ import jax.numpy as jnp
 
 SIZES = {
     "zaya1": dict(batch=4, seq=4096, nq=8, nk=2, head_dim=128, tokens=16384, experts=16, hidden=2048,
-                  width=2048),
-    "small": dict(batch=1, seq=128, nq=8, nk=2, head_dim=128, tokens=256, experts=16, hidden=128, width=128),
+                  width=2048, matrices=64),
+    "small": dict(batch=1, seq=128, nq=8, nk=2, head_dim=128, tokens=256, experts=16, hidden=128, width=128,
+                  matrices=4),
 }
 
 
@@ -53,6 +56,7 @@ class Case:
     fwd_bytes: float
     bwd_factor: float  # backward FLOPs / forward FLOPs
     baseline: str  # backend whose time this row's ratio divides
+    backward: bool = True  # also time forward+backward
 
 
 def attention_cases(s: dict) -> list[Case]:
@@ -118,6 +122,24 @@ def rms_norm_cases(s: dict) -> list[Case]:
     return cases
 
 
+def newton_schulz_cases(s: dict) -> list[Case]:
+    from zaya_jax.train.muon import newton_schulz
+
+    count, m, n = s["matrices"], s["hidden"], s["width"]
+    x = jax.random.normal(jax.random.PRNGKey(3), (count, m, n), jnp.float32)
+    small, large = min(m, n), max(m, n)
+    # Per iteration: the Gram matrix (2·s²·l), its square-and-scale (2·s³), the product back (2·s²·l).
+    flops = 5 * count * (4 * small * small * large + 2 * small ** 3)
+    nbytes = 4 * count * m * n * 2  # the fp32 matrices in and out
+    cases = []
+    for backend in ("float32", "bfloat16"):
+        def fn(x, dtype=backend):
+            return newton_schulz(x, steps=5, dtype=jnp.dtype(dtype))
+        cases.append(Case("newton_schulz", f"{count} × {m}×{n}", backend, fn, (x,), (), flops, nbytes, 0.0,
+                          "float32", backward=False))
+    return cases
+
+
 def median_seconds(fn: Callable, args: tuple, iters: int) -> float:
     compiled = jax.jit(fn)
     jax.block_until_ready(compiled(*args))  # compile and warm up
@@ -138,10 +160,10 @@ def forward_backward(case: Case) -> Callable:
 
 def measure(case: Case, iters: int) -> list[dict]:
     rows = []
-    for direction, fn, flop_factor, byte_factor in (
-        ("fwd", case.fn, 1.0, 1.0),
-        ("fwd+bwd", forward_backward(case), 1.0 + case.bwd_factor, 3.0),  # bwd re-reads inputs, writes grads
-    ):
+    passes = [("fwd", case.fn, 1.0, 1.0)]
+    if case.backward:
+        passes.append(("fwd+bwd", forward_backward(case), 1.0 + case.bwd_factor, 3.0))  # bwd re-reads inputs, writes grads
+    for direction, fn, flop_factor, byte_factor in passes:
         row = {"kernel": case.kernel, "variant": case.variant, "backend": case.backend, "pass": direction,
                "baseline": case.baseline, "flops": case.fwd_flops * flop_factor, "bytes": case.fwd_bytes * byte_factor}
         try:
@@ -192,12 +214,13 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--size", choices=sorted(SIZES), default="zaya1", help="shape set (default: zaya1)")
     parser.add_argument("--iters", type=int, default=20, help="timed runs per measurement (default: 20)")
-    parser.add_argument("--kernels", default="attention,grouped_matmul,rms_norm",
-                        help="comma-separated subset of attention,grouped_matmul,rms_norm")
+    parser.add_argument("--kernels", default="attention,grouped_matmul,rms_norm,newton_schulz",
+                        help="comma-separated subset of attention,grouped_matmul,rms_norm,newton_schulz")
     parser.add_argument("--out", default=os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
                                                       "benchmarks"), help="directory for the JSON and Markdown")
     args = parser.parse_args(argv)
-    builders = {"attention": attention_cases, "grouped_matmul": grouped_matmul_cases, "rms_norm": rms_norm_cases}
+    builders = {"attention": attention_cases, "grouped_matmul": grouped_matmul_cases, "rms_norm": rms_norm_cases,
+                "newton_schulz": newton_schulz_cases}
     chosen = [k.strip() for k in args.kernels.split(",") if k.strip()]
     unknown = sorted(set(chosen) - set(builders))
     if unknown or args.iters < 1:

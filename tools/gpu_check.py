@@ -53,8 +53,12 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
-PARTS = ("tests", "bench", "profile", "step")
-SHARES = {"tests": 0.30, "bench": 0.20, "profile": 0.15, "step": 0.35}  # of the budget left when the part starts
+# In order of value: the timed step (its three MFUs), the kernels against the vendors' and Newton–Schulz
+# fp32 against bf16, the profile. The kernel tests only when asked: they outran the budget on all
+# three H200 runs, and the suite belongs on a machine of its own.
+PARTS = ("step", "bench", "profile", "tests")
+DEFAULT_PARTS = ("step", "bench", "profile")
+SHARES = {"step": 0.45, "bench": 0.30, "profile": 0.25, "tests": 0.30}  # of the budget left when the part starts
 PROFILE_LAYERS = 4  # few layers compile fast; the step's per-layer parts scale with them
 EXPERIMENT = os.path.join(ROOT, "experiments", "zaya1_base_phase1.py")
 PLATFORMS = ("cuda", "rocm", "cpu")
@@ -81,7 +85,8 @@ def parse_args(argv):
     p = _Parser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
     p.add_argument("--out-dir", default=os.path.join(ROOT, "benchmarks"), help="report folder (default benchmarks/)")
     p.add_argument("--budget-s", type=float, default=540.0, help="wall-clock budget for everything (default 540)")
-    p.add_argument("--parts", default=",".join(PARTS), help="comma-separated subset of tests,bench,profile,step")
+    p.add_argument("--parts", default=",".join(DEFAULT_PARTS),
+                   help=f"comma-separated subset of {','.join(PARTS)} (default {','.join(DEFAULT_PARTS)})")
     p.add_argument("--layers", type=int, help="layers of the timed model (default: as many as fit)")
     p.add_argument("--seq-len", type=int, default=4096, help="tokens per sequence (default 4096)")
     p.add_argument("--batch", type=int, default=4, help="sequences per step (default 4, ZAYA1's 16,384 tokens per GPU)")
