@@ -1,32 +1,34 @@
-"""One command that turns a lent GPU into numbers: kernel tests compiled, kernel benchmark, a profiled and a timed ZAYA1-width train step.
+"""One command that turns a lent GPU into numbers: a timed ZAYA1-width train step, the kernel benchmark, a profiled step (and, asked, the kernel tests).
 
-    python tools/gpu_check.py [--parts tests,bench,profile,step] [--budget-s 540] [--out-dir benchmarks]
-        [--layers N] [--seq-len 4096] [--batch 4] [--steps 5] [--platform cuda|rocm|cpu] [--allow-cpu]
-        [--config.KEY=VALUE ...]
+    python tools/gpu_check.py [--parts step,bench,profile[,tests]] [--budget-s 540] [--out-dir benchmarks]
+        [--layers N] [--seq-len 4096] [--batch 4] [--micro-batches M] [--steps 5] [--platform cuda|rocm|cpu]
+        [--allow-cpu] [--config.KEY=VALUE ...]
 
 Owns the time budget, the train-step timing and the report; it owns no kernels, tests or model
 code. Each part runs in its own subprocess with its own share of what is left of `--budget-s`,
 so a crash, a hang or an out-of-memory in one never stops the others and each has the GPU's
 memory to itself:
 
-* `tests`: `python -m pytest -q tests/test_kernels_*.py` with JAX_PLATFORMS set to the GPU platform
-  (the kernel tests run compiled there; up to 8 pytest-xdist workers where it is installed):
-  pass/fail counts and one line per failure.
+* `step`: the normal stack (`experiments/zaya1_base_phase1.py` + overrides → `build_program` →
+  AOT-compiled `jitted_train_step`) at ZAYA1-base width (hidden 2048, 16 experts, 8 query : 2 KV
+  heads of 128, vocab 262,272), bf16, remat `full`, on one device, `--batch` sequences of
+  `--seq-len` per step in `--micro-batches` (default one sequence each), on random tokens. Compile
+  time, the first step, then up to `--steps` timed steps: tokens/s, MFU (`train/flops.py` against
+  `hardware.py`'s peak) and peak memory; then the step's halves compiled and timed apart
+  (`Program.jitted_gradient_step`, `jitted_update_step`) for the forward+backward MFU and the
+  node-equivalent MFU (the update at its share of an 8-GPU node). Without `--layers`, the layer
+  count is the most that fits 85% of the device by a memory estimate from the abstract train state
+  (and that compiles in the budget at a guessed 6 s per layer); if XLA's compiled memory or the run
+  says it does not fit, it steps down while the budget lasts. `--config.KEY=VALUE` overrides reach
+  this part only.
 * `bench`: `tools/bench_kernels.py --size zaya1` (`small` on CPU); its JSON rows.
 * `profile`: `tools/profile_step.py` on the step's shape at `PROFILE_LAYERS` layers (the model
   sized down on CPU): the step's device time by model part and kind of op (matmuls, fp32 matmuls,
   kernels, elementwise work, copies), which `zaya mesh --calibrate` prices the elementwise work and
   Muon's Newton–Schulz from; its JSON beside the report (`gpu_step_profile_<device>.json`).
-* `step`: the normal stack (`experiments/zaya1_base_phase1.py` + overrides → `build_program` →
-  AOT-compiled `jitted_train_step`) at ZAYA1-base width (hidden 2048, 16 experts, 8 query : 2 KV
-  heads of 128, vocab 262,272), bf16, remat `full`, on one device, `--batch` sequences of
-  `--seq-len` per step taken as `--batch` micro-batches of one sequence (phase 1's per-device
-  shape), on random tokens. Compile time, the first step, then up to `--steps` timed steps:
-  tokens/s, MFU (`train/flops.py` against `hardware.py`'s peak) and peak memory. Without
-  `--layers`, the layer count is the most that fits 85% of the device by a memory estimate from
-  the abstract train state (and that compiles in the budget at a guessed 6 s per layer); if XLA's
-  compiled memory or the run says it does not fit, it steps down while the budget lasts.
-  `--config.KEY=VALUE` overrides reach this part only.
+* `tests` (only when asked): `python -m pytest -q tests/test_kernels_*.py` with JAX_PLATFORMS set
+  to the GPU platform (up to 8 pytest-xdist workers where it is installed): pass/fail counts and
+  one line per failure.
 
 It writes `OUT_DIR/gpu_<device>.json` and `.md` (device: `h100`, `mi300x`, ... from
 `hardware.py`, else a slug of the device kind) after every part. Bad input is one line
