@@ -23,7 +23,8 @@ from zaya_process import zaya
 H200 = os.path.join(ROOT, "benchmarks", "gpu_h200.json")
 PHASE1 = os.path.join(ROOT, "experiments", "zaya1_base_phase1.py")
 STEP = ["--config.model.num_hidden_layers=31", "--config.train.seq_len=4096", "--config.train.global_batch_size=4",
-        "--config.train.grad_accum_steps=4"]  # the shape gpu_check timed on the H200
+        "--config.train.grad_accum_steps=4",  # the shape gpu_check timed on the H200
+        "--config.optim.muon_ns_dtype=float32"]  # and its Newton–Schulz, which ran before bf16 became the default
 ONE = dict(data=1, fsdp=1, expert=1, tsp=1, tensor=1, sequence=1)
 
 

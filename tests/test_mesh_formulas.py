@@ -284,17 +284,23 @@ def test_a_gpus_loss_keeps_fp32_logits_and_their_gradient_in_the_compute_dtype()
     assert memory.loss_bytes(cpu, 100) == 100 * (cpu.cfg.hidden_size * 4 + chunk * 3 * 4 + 8)
 
 
-def test_newton_schulz_runs_at_the_fp32_matmul_peak():
-    """Muon's products are fp32: TF32 tensor cores on an H100 (half the BF16 peak), fp32 matrix
-    cores under ROCm's XLA (an eighth on an MI300X); the state's stream is the same either way.
-    Measured on an H200: 50 TFLOP of them in 146 ms a step, 342 TFLOP/s (benchmarks/gpu_step_profile_h200.md)."""
+def test_newton_schulz_runs_at_the_peak_of_its_products_dtype():
+    """Muon's products are bf16 on GPUs by default (`optim.muon_ns_dtype=auto`): at the BF16 peak,
+    their elementwise passes over bf16 matrices. In fp32 (as the H200 profile measured them: 50 TFLOP
+    in 146 ms a step, 342 TFLOP/s) they run at the fp32 matmul peak: TF32 tensor cores on an H100
+    (half the BF16 peak), fp32 matrix cores under ROCm's XLA (an eighth on an MI300X)."""
     sizes = mesh_sizes(data=8)
     for hw, fp32 in ((H100, 494.7), (MI300X, 163.4)):
-        r = run(hw=hw)
-        as_bf16 = dataclasses.replace(r, hw=dataclasses.replace(hw, peak_fp32_matmul_tflops=hw.peak_bf16_tflops))
-        ns = step_time.newton_schulz_flops(r, sizes) / (hw.compute_efficiency * 1e12)
-        extra = step_time.optimizer_seconds(r, sizes) - step_time.optimizer_seconds(as_bf16, sizes)
-        assert extra == pytest.approx(ns / fp32 - ns / hw.peak_bf16_tflops) and extra > 0
+        half, full = (dataclasses.replace(run(hw=hw), ns_dtype=d) for d in ("auto", "float32"))
+        assert half.ns_in_bf16 and not full.ns_in_bf16
+        ns = step_time.newton_schulz_flops(full, sizes) / (hw.compute_efficiency * 1e12)
+        passes = step_time.NS_PASSES * full.ns_steps * sum(
+            memory.ns_matrix_bytes(g, sizes) for g in inventory.param_groups(full.cfg) if g.optimizer == "muon")
+        extra = step_time.optimizer_seconds(full, sizes) - step_time.optimizer_seconds(half, sizes)
+        assert extra == pytest.approx(ns / fp32 - ns / hw.peak_bf16_tflops + 0.5 * passes / (hw.hbm_tb_per_s * 1e12))
+        assert extra > 0
+    cpu = run(hw=hardware.profile("cpu"))
+    assert not cpu.ns_in_bf16  # auto: fp32 on CPU, where the trajectory against PyTorch is exact
 
 
 def test_step_time_and_mfu_on_one_device_are_compute_and_optimizer():

@@ -181,7 +181,9 @@ def _one_device(part: dict, run: Workload, rows: list, path: str, what: str) -> 
     kernels = part.get("kernels") or {}
     cfg = preset("zaya1_base", **{k: model[k] for k in MODEL_FIELDS},
                  attention_kernel=kernels.get("attention", "auto"), moe_kernel=kernels.get("grouped_matmul", "auto"))
+    # Its Newton–Schulz as it ran: a report from before bf16 products had fp32 ones.
     one = dataclasses.replace(run, cfg=cfg, seq_len=int(part["seq_len"]), global_batch=int(part["batch"]),
                               grad_accum=int(part["micro_batches"]), remat=str(part["remat"]), nodes=1,
-                              gpus_per_node=1, residual=1.0, elementwise_scale=1.0)
+                              gpus_per_node=1, residual=1.0, elementwise_scale=1.0,
+                              ns_dtype=str(part.get("muon_ns_dtype", "float32")))
     return dataclasses.replace(one, efficiencies=tuple(sorted(_efficiencies(one, rows, path).items())))

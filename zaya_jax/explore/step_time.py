@@ -409,19 +409,21 @@ def _gradient_reductions(run: Workload, sizes: dict[str, int], where: dict[str, 
 
 
 def optimizer_seconds(run: Workload, sizes: dict[str, int]) -> float:
-    """Muon's Newton–Schulz on each device's share of the matrices (fp32 products: at the profile's
-    fp32 matmul peak; each weight's stacked matrices one batched product: its rate, on a host
-    measured by size, that of the whole batch), the
-    iterations' elementwise updates of those matrices (`NS_PASSES` per iteration) and one pass
-    over the state in memory."""
+    """Muon's Newton–Schulz on each device's share of the matrices (fp32 products at the profile's
+    fp32 matmul peak and a profile's measured share of it; bf16 products, the GPU default, at the
+    BF16 peak and the matmuls' share; each weight's stacked matrices one batched product: its rate,
+    on a host measured by size, that of the whole batch), the iterations' elementwise updates of
+    those matrices (`NS_PASSES` per iteration, in the products' dtype) and one pass over the state
+    in memory."""
     state = inventory.state_bytes(run.cfg, sizes, run.zero1)
     stream = 3 * (state.params + state.grads + state.optimizer)  # read grads and state, write state
-    stream += NS_PASSES * run.ns_steps * sum(
+    bf16 = run.ns_in_bf16
+    stream += (0.5 if bf16 else 1.0) * NS_PASSES * run.ns_steps * sum(
         memory.ns_matrix_bytes(g, sizes) for g in inventory.param_groups(run.cfg) if g.optimizer == "muon")
     hw = run.hw
     unscaled = dataclasses.replace(run, residual=1.0)  # the residual is the blocks' compute's, not this
-    matmuls = sum(compute_seconds(unscaled, {"newton_schulz": flops}, {"newton_schulz": flops / iterations},
-                                  in_step=1.0, peak_tflops=hw.peak_fp32_matmul_tflops)
+    kind, peak = ("matmul", hw.peak_bf16_tflops) if bf16 else ("newton_schulz", hw.peak_fp32_matmul_tflops)
+    matmuls = sum(compute_seconds(unscaled, {kind: flops}, {kind: flops / iterations}, in_step=1.0, peak_tflops=peak)
                   for flops, iterations in newton_schulz_work(run, sizes))
     return matmuls + stream / (hw.hbm_tb_per_s * 1e12)
 

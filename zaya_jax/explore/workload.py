@@ -46,13 +46,15 @@ class Workload:
     efficiencies: tuple[tuple[str, float], ...] = ()
     elementwise_scale: float = 1.0
     residual: float = 1.0
+    ns_dtype: str = "auto"  # optim.muon_ns_dtype: the dtype of Newton–Schulz's products (`train/muon.ns_dtype`)
 
     @classmethod
     def from_experiment(cls, exp, hw: HardwareProfile, nodes: int, gpus_per_node: int) -> "Workload":
         c = exp.config
         return cls(exp.model, c.train.seq_len, c.train.global_batch_size, c.train.grad_accum_steps, c.train.remat,
                    hw, nodes, gpus_per_node, c.train.loss_vocab_chunk, c.optim.muon_ns_steps, c.optim.shard_over_data,
-                   c.mesh.zigzag, scan_unroll=min(c.train.scan_unroll, pattern_units(exp.model)))
+                   c.mesh.zigzag, scan_unroll=min(c.train.scan_unroll, pattern_units(exp.model)),
+                   ns_dtype=c.optim.muon_ns_dtype)
 
     @property
     def devices(self) -> int:
@@ -61,6 +63,13 @@ class Workload:
     @property
     def micro_batch(self) -> int:
         return self.global_batch // self.grad_accum
+
+    @property
+    def ns_in_bf16(self) -> bool:
+        """Whether Muon's Newton–Schulz multiplies in bf16 on this hardware (`train/muon.ns_dtype`)."""
+        from zaya_jax.train.muon import ns_dtype
+
+        return ns_dtype(self.ns_dtype, self.hw.target) == "bfloat16"
 
     @property
     def compute_bytes(self) -> int:
