@@ -95,8 +95,32 @@ def test_single_token_documents_attend_to_themselves(backend):
 
 
 @pytest.mark.skipif(kernels.registry.gpu_vendor() != "cuda", reason="cuDNN attention needs an NVIDIA GPU")
-def test_cudnn_backend_matches_reference():
-    _check("cudnn", 2, 256, 8, 2, 128, jnp.bfloat16)
+@pytest.mark.parametrize("doc_prob", [None, 0.01])
+def test_cudnn_backend_matches_reference(doc_prob):
+    _check("cudnn", 2, 256, 8, 2, 128, jnp.bfloat16, doc_prob)
+
+
+@pytest.mark.parametrize("doc_prob, offset, causal", [(None, None, True), (0.2, None, True), (0.2, 16, True),
+                                                       (None, 32, True), (0.3, None, False)])
+def test_the_cudnn_backends_call_masks_documents_and_offsets_as_the_reference(doc_prob, offset, causal):
+    """The cudnn backend's own part, the mask it hands `jax.nn.dot_product_attention` (packed
+    documents, a sequence-sharded query's offset, the kernel's causal flag), run through XLA's
+    implementation of the same call: values and gradients against the reference."""
+    from zaya_jax.kernels import xla_backends
+
+    q, k, v, segments = _inputs(2, 48, 4, 2, 16, jnp.float32, doc_prob)
+    rows = slice(offset or 0, (offset or 0) + 16) if offset is not None else slice(None)
+    q_seg = None if segments is None else segments[:, rows]
+
+    def kernel(q, k, v):
+        return xla_backends.cudnn_attention(q[:, rows], k, v, q_seg, causal=causal, q_offset=offset,
+                                            kv_segment_ids=None if offset is None else segments,
+                                            implementation="xla")
+
+    def ref(q, k, v):
+        return reference.attention(q, k, v, segments, causal=causal)[:, rows]
+
+    check_values_and_grads(kernel, ref, (q, k, v), (0, 1, 2), jnp.float32, f"cudnn's mask {doc_prob} {offset}")
 
 
 def test_bad_shapes_are_named():

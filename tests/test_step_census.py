@@ -125,6 +125,12 @@ def test_rates_fitted_to_a_profile_reproduce_it_and_scale_with_the_work():
     assert sum(predicted.values()) == pytest.approx(0.034)
     doubled = step_census.predict([_op("gemm", 8e12, dtype="bf16", runs=2)], rates)
     assert doubled["gemm bf16"] == pytest.approx(0.020)
+    # cuDNN's attention, which the profiled step did not run: the benchmark's fwd+bwd rate.
+    bench = [{"kernel": "attention", "backend": "cudnn", "pass": "fwd+bwd", "tflops": 300.0},
+             {"kernel": "attention", "backend": "cudnn", "pass": "fwd", "tflops": 250.0}]
+    rates = step_census.fit_rates(ops, rows, bench)
+    cudnn = [_op("kernel", 6e12, target="__cudnn$fmhaScaleBiasSoftmaxBackward")]
+    assert step_census.predict(cudnn, rates) == {"cudnn attention": pytest.approx(0.020)}
 
 
 def _tool(*args):
@@ -155,9 +161,11 @@ TINY = ["--config.model.hidden_size=256", "--config.model.num_experts=4", "--con
 
 @pytest.mark.slow
 @needs_plugin
-def test_the_census_of_a_small_step_compiled_for_an_h100(tmp_path):
+@pytest.mark.parametrize("attention", ["pallas", "cudnn"])
+def test_the_census_of_a_small_step_compiled_for_an_h100(tmp_path, attention):
     out = tmp_path / "census.json"
-    run = _tool("--layers", "2", "--seq-len", "256", "--batch", "2", "--out", str(out), *TINY)
+    run = _tool("--layers", "2", "--seq-len", "256", "--batch", "2", "--out", str(out), *TINY,
+                f"--config.model.attention_kernel={attention}")
     assert run.returncode == 0, run.stderr[-3000:]
     import json
     r = json.loads(out.read_text())
@@ -167,3 +175,10 @@ def test_the_census_of_a_small_step_compiled_for_an_h100(tmp_path):
     assert r["total"]["gemm_flops"]["bf16"] > 0
     assert np.isclose(r["launches_per_layer"], r["total"]["launches"] / 2)
     assert (tmp_path / "census.md").read_text().startswith("# GPU census")
+    attention_kernels = {k for part in ("attention", "attention bwd") for k in parts[part]["kernels"]}
+    if attention == "cudnn":  # packed documents as cuDNN's mask, forward and backward, counted
+        assert attention_kernels == {"__cudnn$fmhaScaleBiasSoftmax", "__cudnn$fmhaScaleBiasSoftmaxBackward"}
+        # 2 layers x (2 forward + 2 recomputed forward + 5 backward products) x B·S²·heads·d
+        assert parts["attention"]["kernel_flops"] + parts["attention bwd"]["kernel_flops"] == 2 * 9 * 2 * 256 ** 2 * 4 * 64
+    else:
+        assert "zaya_forward_kernel" in attention_kernels

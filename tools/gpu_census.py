@@ -15,7 +15,8 @@ launches per layer, non-GEMM MB per token per layer and XLA's peak memory.
 
 `--calibrate REPORT` (a `tools/gpu_check.py` report with a `profile` part, e.g. `benchmarks/gpu_h200.json`)
 prices it: the profiled step's shape is compiled here too, and each time class (bf16 GEMMs, fp32
-GEMMs, attention kernels, grouped-matmul kernels, memory-bound ops) gets the rate that step reached;
+GEMMs, attention kernels, grouped-matmul kernels, memory-bound ops) gets the rate that step reached
+(cuDNN's attention, which it did not run, the rate the report's kernel benchmark measured);
 the asked step is then predicted at those rates, and so is every step the report timed (the check).
 
 Every change to the step is compiled and counted here before a GPU times it. Bad input is one line
@@ -137,7 +138,7 @@ def calibration(devices, report: dict, overrides) -> dict:
     # The steps as they ran: a report from before bf16 Newton–Schulz ran it in fp32.
     ran = [*overrides, f"--config.optim.muon_ns_dtype={prof.get('muon_ns_dtype', 'float32')}"]
     profiled = compile_census(devices, *shape, ran)
-    rates = step_census.fit_rates(profiled["ops"], prof["rows"])
+    rates = step_census.fit_rates(profiled["ops"], prof["rows"], ((report["parts"].get("bench") or {}).get("rows") or []))
     checks = [{"layers": prof["layers"], "micro_batches": prof["micro_batches"], "measured_s": prof["step_s"],
                "predicted_s": sum(step_census.predict(profiled["ops"], rates).values()), "fitted": True}]
     step = report["parts"].get("step") or {}

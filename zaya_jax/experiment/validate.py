@@ -199,10 +199,6 @@ def _kernels(c, model: ModelConfig) -> str | None:
     """Each kernel backend must train and exist on the target (cudnn needs NVIDIA, hipblaslt ROCm,
     pallas is not for TPU). The names are already checked (ModelConfig); the XLA flags a backend
     needs are set here, before `resolve` starts JAX (it asks for the devices)."""
-    if model.attention_kernel == "cudnn":
-        return ("model.attention_kernel=cudnn cannot train: training packs documents into rows and masks "
-                "attention by their segment ids, for which jax.nn.dot_product_attention's cuDNN path has no "
-                "mask; use 'pallas' (the default on GPUs) or 'xla'")
     try:
         xla_flags.require(model)
     except ZayaError as e:

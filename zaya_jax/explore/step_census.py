@@ -298,12 +298,21 @@ def kernel_flops(inst: Instruction, table: dict[str, Instruction]) -> tuple[int,
             return 2 * rows[0][0] * out[1] * out[2], dtype
         lhs = next((s for s in rows if s[0] == out[0]), None)
         return (2 * math.prod(out) * lhs[-1], dtype) if lhs else (0, dtype)
-    if target in _ATTENTION_PRODUCTS and operands:
+    products = _ATTENTION_PRODUCTS.get(target) or _cudnn_attention_products(target)
+    if products and operands:
         q = operands[0]  # [B, S, heads..., d]
         batch, seq, d = q[0], q[1], q[-1]
         heads = math.prod(q[2:-1])
-        return _ATTENTION_PRODUCTS[target] * batch * seq * seq * heads * d, dtype
+        return products * batch * seq * seq * heads * d, dtype
     return 0, ""
+
+
+def _cudnn_attention_products(target: str) -> int:
+    """cuDNN's fused attention (`__cudnn$fmha…`, BTNH): its forward's two products, its backward's
+    five (QKᵀ again, dO·Vᵀ, Pᵀ·dO, dS·K, dSᵀ·Q); 0 for any other call."""
+    if not target.startswith("__cudnn$fmha"):
+        return 0
+    return 5 if target.endswith("Backward") else 2
 
 
 def _dot_flops(lhs_text: str, contracting: list[int], result_elements: int) -> int:
@@ -363,11 +372,13 @@ def by_part(ops: list[Op]) -> dict[str, dict]:
 
 
 def time_class(op: Op) -> str:
-    """Which measured rate prices an op: `gemm bf16`, `gemm fp32`, `attention kernel`,
-    `grouped matmul kernel` (by FLOPs), or `memory` (every other op, by bytes)."""
+    """Which measured rate prices an op: `gemm bf16`, `gemm fp32`, `attention kernel` (ours),
+    `cudnn attention`, `grouped matmul kernel` (by FLOPs), or `memory` (every other op, by bytes)."""
     if op.kind == "gemm":
         return "gemm fp32" if op.dtype == "f32" else "gemm bf16"
     if op.kind == "kernel" and op.flops:
+        if op.target.startswith("__cudnn$fmha"):
+            return "cudnn attention"
         return "grouped matmul kernel" if "grouped_matmul" in op.target else "attention kernel"
     return "memory"
 
@@ -392,14 +403,21 @@ def profiled_class(part: str, kind: str) -> str:
     return "memory"
 
 
-def fit_rates(ops: list[Op], profile_rows: list[dict]) -> dict[str, float]:
+def fit_rates(ops: list[Op], profile_rows: list[dict], bench_rows: list[dict] = ()) -> dict[str, float]:
     """Per time class, the work per second a profiled step reached: its census here (the same shape)
-    against the device time its profile measured for the class."""
+    against the device time its profile measured for the class. cuDNN's attention, which the
+    profiled step did not run, at the rate the report's kernel benchmark timed it (fwd+bwd, causal:
+    the same seven products a query-key pair as the census counts)."""
     measured = collections.Counter()
     for row in profile_rows:
         measured[profiled_class(row["part"], row["kind"])] += row["ms_per_step"] / 1e3
     work = work_by_class(ops)
-    return {cls: work[cls] / seconds for cls, seconds in measured.items() if seconds > 0 and work.get(cls)}
+    rates = {cls: work[cls] / seconds for cls, seconds in measured.items() if seconds > 0 and work.get(cls)}
+    cudnn = [r for r in bench_rows if r.get("kernel") == "attention" and r.get("backend") == "cudnn"
+             and r.get("pass") == "fwd+bwd" and r.get("tflops")]
+    if cudnn:
+        rates["cudnn attention"] = max(r["tflops"] for r in cudnn) * 1e12
+    return rates
 
 
 def predict(ops: list[Op], rates: dict[str, float]) -> dict[str, float]:

@@ -7,7 +7,7 @@ Four kernels (`attention`, `grouped_matmul`, `rms_norm`, `linear_attention`) eac
 CPU default; for linear attention the chunked form), and a `pallas` form (Triton lowering on CUDA
 and ROCm, `interpret=True` on CPU). Vendor backends exist
 on one GPU target only (`VENDOR_BACKENDS`): attention's `cudnn` (through
-`jax.nn.dot_product_attention`; no segment-id mask, so inference only), and the grouped matmul's
+`jax.nn.dot_product_attention`, packed documents as a mask), and the grouped matmul's
 `cudnn` and `hipblaslt` (XLA's `ragged_dot`, routed by an XLA flag to the vendor's grouped GEMM;
 see `XLA_FLAGS`). `auto` picks the target's default below. Nothing here imports the kernels, so
 the config can validate names cheaply.

@@ -1,7 +1,8 @@
 """The `xla` and vendor backends: the kernels expressed through XLA's own primitives.
 
-Attention's `cudnn` backend goes through `jax.nn.dot_product_attention` (NVIDIA; no segment ids;
-the `xla` attention is `xla_attention`, with a written-out backward); the grouped matmul through `jax.lax.ragged_dot` /
+Attention's `cudnn` backend goes through `jax.nn.dot_product_attention` (NVIDIA): packed documents
+and sequence-sharded queries as a [B, 1, Sq, Sk] mask, which cuDNN takes as a bias beside its own
+causal mask (the `xla` attention is `xla_attention`, with a written-out backward); the grouped matmul through `jax.lax.ragged_dot` /
 `ragged_dot_general`, whose transposes XLA derives, for the `xla`, `cudnn` and `hipblaslt`
 backends alike (an XLA flag, `registry.XLA_FLAGS`, decides which GEMM XLA emits for them).
 RMSNorm has no separate XLA primitive: the `xla` backend is the reference expression, which XLA
@@ -19,16 +20,33 @@ from zaya_jax.errors import ZayaError
 from zaya_jax.kernels import reference
 
 
-def cudnn_attention(q, k, v, segment_ids=None, *, causal=True, scale=None, kv_segment_ids=None, q_offset=None):
-    """`reference.attention` through `jax.nn.dot_product_attention(implementation='cudnn')`: whole,
-    unpacked sequences only."""
-    if q_offset is not None or kv_segment_ids is not None:
-        raise ZayaError("the cudnn attention backend takes no query offset (sequence-sharded queries); "
-                        "use the pallas or xla attention backend with mesh.tsp or mesh.sequence > 1")
+def cudnn_attention(q, k, v, segment_ids=None, *, causal=True, scale=None, kv_segment_ids=None, q_offset=None,
+                    implementation: str = "cudnn"):
+    """`reference.attention` through `jax.nn.dot_product_attention(implementation='cudnn')`.
+
+    Whole sequences use cuDNN's own causal mask (its fully masked blocks skipped). Packed documents
+    (`segment_ids`, and `kv_segment_ids` for the keys of sequence-sharded queries) and a query
+    offset become one boolean [B, 1, Sq, Sk] mask, which cuDNN applies as a bias. `implementation`
+    'xla' runs the same call through XLA's attention (how the mask is tested without a GPU)."""
+    mask = attention_mask(segment_ids, kv_segment_ids, q_offset, causal, q.shape[1], k.shape[1])
+    own_causal = causal and q_offset is None
+    return jax.nn.dot_product_attention(q, k, v, mask=mask, is_causal=own_causal, scale=scale,
+                                        implementation=implementation)
+
+
+def attention_mask(segment_ids, kv_segment_ids, q_offset, causal: bool, sq: int, sk: int):
+    """[B or 1, 1, Sq, Sk] bool: query i (at `q_offset` + i) may see key j: the same document, and
+    j <= i when causal with an offset (without one, the kernel's own causal mask does it); None when
+    nothing beyond that is masked."""
+    mask = None
     if segment_ids is not None:
-        raise ZayaError("the cudnn attention backend has no packed-document (segment_ids) mask here; "
-                        "use the 'pallas' backend for packed sequences")
-    return jax.nn.dot_product_attention(q, k, v, is_causal=causal, scale=scale, implementation="cudnn")
+        keys = segment_ids if kv_segment_ids is None else kv_segment_ids
+        mask = (segment_ids[:, :, None] == keys[:, None, :])[:, None]
+    if causal and q_offset is not None:
+        rows = q_offset + jnp.arange(sq)
+        ordered = (rows[:, None] >= jnp.arange(sk)[None, :])[None, None]
+        mask = ordered if mask is None else mask & ordered
+    return mask
 
 
 def grouped_matmul(lhs, rhs, group_sizes, *, preferred_element_type=None):
