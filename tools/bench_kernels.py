@@ -5,8 +5,7 @@ runs after a warm-up), and reports TFLOP/s, GB/s, the fraction of the device's p
 `zaya_jax.hardware.PROFILES`) and the time ratio against the baseline measured in the same run:
 
 * attention (B 4 × S 4096 = 16K tokens, nq 8, nk 2, d 128, bf16, causal): pallas vs xla and, on
-  NVIDIA, vs cudnn (no document mask: cuDNN has none here); pallas and xla again with packed
-  documents (segment ids);
+  NVIDIA, vs cudnn; all again with packed documents (segment ids; cuDNN's as a mask);
 * grouped matmul (16K tokens routed top-1 over 16 experts, hidden 2048 → expert width 2048,
   bf16): pallas vs xla's ragged_dot, and vs one dense [16K, 2048] × [2048, 2048] matmul with
   the same FLOPs;
@@ -74,7 +73,7 @@ def attention_cases(s: dict) -> list[Case]:
     nbytes = 2 * b * n * d * (2 * nq + 2 * nk)  # read q, k, v; write o
     backends = ["xla", "pallas"] + (["cudnn"] if gpu_vendor() == "cuda" else [])
     cases = []
-    for variant, seg, names in (("causal", None, backends), ("causal+documents", segments, ["xla", "pallas"])):
+    for variant, seg, names in (("causal", None, backends), ("causal+documents", segments, backends)):
         baseline = "cudnn" if "cudnn" in names else "xla"
         for backend in names:
             def fn(q, k, v, seg=seg, backend=backend):
