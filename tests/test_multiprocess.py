@@ -261,7 +261,7 @@ def test_processes_given_different_counts_stop_in_one_line(tmp_path):
 
 @pytest.mark.parametrize("override,needle", [
     ("--config.mesh.data=3", "needs 3 devices but this run has 4"),  # the mesh
-    ("--config.model.attention_kernel=cudnn", "cuDNN path has no mask"),  # validation against the devices
+    ("--config.model.attention_kernel=cudnn", "the cudnn attention backend needs an NVIDIA GPU"),  # against the devices
     ("--config.eval.tasks=hellaswag", "eval.tasks and eval.prompts run in single-process runs for now"),
 ])
 def test_a_config_every_process_refuses_ends_the_job_as_bad_input(tmp_path, override, needle):

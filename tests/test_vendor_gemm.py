@@ -223,14 +223,15 @@ def test_banner_names_the_vendor_gemm_and_its_flag(monkeypatch):
 # cuDNN attention: not for training, still for inference
 
 
-def test_cudnn_attention_is_refused_for_training_in_one_sentence():
-    for target in ("cuda", "cpu"):  # on any target: the reason is the packed rows, not the GPU
+def test_cudnn_attention_trains_on_nvidia_and_is_refused_elsewhere_in_one_sentence():
+    with targeting("cuda"):  # packed rows are its mask now: it validates for training on NVIDIA
+        load_experiment(TINY, ["--config.model.attention_kernel=cudnn"])
+    for target in ("cpu", "rocm"):
         with targeting(target), pytest.raises(ZayaError) as e:
             load_experiment(TINY, ["--config.model.attention_kernel=cudnn"])
         assert str(e.value) == (
-            f"{TINY} with overrides: model.attention_kernel=cudnn cannot train: training packs documents into rows "
-            "and masks attention by their segment ids, for which jax.nn.dot_product_attention's cuDNN path has no "
-            "mask; use 'pallas' (the default on GPUs) or 'xla'")
+            f"{TINY} with overrides: model.attention_kernel: the cudnn attention backend needs an NVIDIA GPU "
+            f"(the target is {target}); use 'pallas' or 'xla'")
 
 
 def test_load_takes_kernel_backends_for_inference(tmp_path):
