@@ -1,5 +1,6 @@
 """The step census (explore/step_census.py, tools/gpu_census.py): launches times loop trips, GEMM
-FLOPs and dtypes, slice-sized bytes, model parts, and the rates that price them."""
+FLOPs and dtypes, slice-sized bytes, model parts, and the rates that price them
+(explore/census_pricing.py)."""
 
 import os
 import subprocess
@@ -11,7 +12,7 @@ import numpy as np
 import pytest
 from xla_test_flags import cuda_plugin_installed
 
-from zaya_jax.explore import step_census
+from zaya_jax.explore import census_pricing, step_census
 from paths import ROOT
 
 TOOL = os.path.join(ROOT, "tools", "gpu_census.py")
@@ -118,19 +119,19 @@ def test_rates_fitted_to_a_profile_reproduce_it_and_scale_with_the_work():
             {"part": "experts bwd", "kind": "kernel", "ms_per_step": 8.0},
             {"part": "attention bwd", "kind": "kernel", "ms_per_step": 4.0},
             {"part": "other", "kind": "elementwise", "ms_per_step": 6.0}, {"part": "norms", "kind": "kernel", "ms_per_step": 1.0}]
-    rates = step_census.fit_rates(ops, rows)
+    rates = census_pricing.fit_rates(ops, rows)
     assert rates["gemm bf16"] == pytest.approx(8e12 / 0.010)
     assert rates["memory"] == pytest.approx(31e9 / 0.007)  # fusions and the norm kernel: by bytes
-    predicted = step_census.predict(ops, rates)
+    predicted = census_pricing.predict(ops, rates)
     assert sum(predicted.values()) == pytest.approx(0.034)
-    doubled = step_census.predict([_op("gemm", 8e12, dtype="bf16", runs=2)], rates)
+    doubled = census_pricing.predict([_op("gemm", 8e12, dtype="bf16", runs=2)], rates)
     assert doubled["gemm bf16"] == pytest.approx(0.020)
     # cuDNN's attention, which the profiled step did not run: the benchmark's fwd+bwd rate.
     bench = [{"kernel": "attention", "backend": "cudnn", "pass": "fwd+bwd", "tflops": 300.0},
              {"kernel": "attention", "backend": "cudnn", "pass": "fwd", "tflops": 250.0}]
-    rates = step_census.fit_rates(ops, rows, bench)
+    rates = census_pricing.fit_rates(ops, rows, bench)
     cudnn = [_op("kernel", 6e12, target="__cudnn$fmhaScaleBiasSoftmaxBackward")]
-    assert step_census.predict(cudnn, rates) == {"cudnn attention": pytest.approx(0.020)}
+    assert census_pricing.predict(cudnn, rates) == {"cudnn attention": pytest.approx(0.020)}
 
 
 def _tool(*args):

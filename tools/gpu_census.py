@@ -131,22 +131,23 @@ def summary(census: dict, layers: int, tokens: int) -> dict:
 def calibration(devices, report: dict, overrides) -> dict:
     """Rates from the report's profiled step (compiled here at its shape) and, at those rates, the
     prediction of every step the report timed against its measured time."""
-    from zaya_jax.explore import step_census
+    from zaya_jax.explore import census_pricing
 
     prof = report["parts"]["profile"]
     shape = (prof["layers"], prof["seq_len"], prof["batch"], prof["micro_batches"])
     # The steps as they ran: a report from before bf16 Newton–Schulz ran it in fp32.
     ran = [*overrides, f"--config.optim.muon_ns_dtype={prof.get('muon_ns_dtype', 'float32')}"]
     profiled = compile_census(devices, *shape, ran)
-    rates = step_census.fit_rates(profiled["ops"], prof["rows"], ((report["parts"].get("bench") or {}).get("rows") or []))
+    bench = (report["parts"].get("bench") or {}).get("rows") or []
+    rates = census_pricing.fit_rates(profiled["ops"], prof["rows"], bench)
     checks = [{"layers": prof["layers"], "micro_batches": prof["micro_batches"], "measured_s": prof["step_s"],
-               "predicted_s": sum(step_census.predict(profiled["ops"], rates).values()), "fitted": True}]
+               "predicted_s": sum(census_pricing.predict(profiled["ops"], rates).values()), "fitted": True}]
     step = report["parts"].get("step") or {}
     if step.get("step_s") and step.get("layers"):
         ran = [*overrides, f"--config.optim.muon_ns_dtype={step.get('muon_ns_dtype', 'float32')}"]
         timed = compile_census(devices, step["layers"], step["seq_len"], step["batch"], step["micro_batches"], ran)
         checks.append({"layers": step["layers"], "micro_batches": step["micro_batches"], "measured_s": step["step_s"],
-                       "predicted_s": sum(step_census.predict(timed["ops"], rates).values()), "fitted": False})
+                       "predicted_s": sum(census_pricing.predict(timed["ops"], rates).values()), "fitted": False})
     return {"device": report.get("device", {}).get("slug"), "jax": report.get("jax"), "rates": rates, "checks": checks}
 
 
@@ -160,7 +161,7 @@ def main(argv=None) -> int:
         return fail(str(e).splitlines()[0] if str(e) else type(e).__name__)
     import jax
     from zaya_jax.errors import ZayaError
-    from zaya_jax.explore import step_census
+    from zaya_jax.explore import census_pricing
 
     try:
         census = compile_census(devices, args.layers, args.seq_len, args.batch, args.micro_batches, args.overrides)
@@ -173,7 +174,7 @@ def main(argv=None) -> int:
               **summary(census, args.layers, args.batch * args.seq_len)}
     if cal:
         result["calibration"] = {**cal, "source": args.calibrate}
-        result["predicted_s"] = step_census.predict(census["ops"], cal["rates"])
+        result["predicted_s"] = census_pricing.predict(census["ops"], cal["rates"])
     markdown = to_markdown(result)
     print(markdown)
     if args.out:

@@ -16,7 +16,6 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from zaya_jax.errors import ZayaError
 from zaya_jax.kernels import reference
 
 
