@@ -247,7 +247,9 @@ def test_the_micro_batch_loops_running_gradient_sum_is_gradients_not_the_update(
 def test_each_phase_of_a_step_peaks_on_its_own_buffers_and_the_largest_is_the_steps_peak(tmp_path):
     """`phase_peaks` finds each phase's own peak: the forward's holds none of the loss's buffers, the
     loss's its chunks, the backward's what the blocks' backward makes, the update's none of the
-    loss's; the largest of them is the step's peak (`peak_buffers`), to the byte."""
+    loss's working buffers (the table's gradient, which the loss's backward makes, may still wait
+    for its update there: where it does is XLA's schedule); the largest of them is the step's peak
+    (`peak_buffers`), to the byte."""
     from zaya_jax.experiment import load_experiment
     from zaya_jax.train.program import build_program
 
@@ -266,4 +268,5 @@ def test_each_phase_of_a_step_peaks_on_its_own_buffers_and_the_largest_is_the_st
     assert made("forward", "loss") == 0
     assert made("loss", "loss") > 0
     assert made("backward", "backward") > 0
-    assert made("update", "loss") == 0
+    table = f"f32[{program.modeldef.cfg.vocab_size},{program.modeldef.cfg.hidden_size}]"
+    assert {b.shape for b in by_phase["update"] if xla_terms.phase_of(b.op_name) == "loss"} <= {table}
