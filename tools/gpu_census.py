@@ -70,7 +70,21 @@ def parse_args(argv):
         raise UsageError(f"--batch {args.batch} must be a multiple of --micro-batches {args.micro_batches}")
     if args.calibrate:
         args.report = read_report(args.calibrate)
+    if args.out:
+        check_writable(os.path.dirname(os.path.abspath(args.out)))
     return args
+
+
+def check_writable(folder: str) -> None:
+    """--out's folder exists (or can be made) and takes a file: found before minutes of compiling."""
+    try:
+        os.makedirs(folder, exist_ok=True)
+        probe = os.path.join(folder, f".gpu_census_{os.getpid()}")
+        with open(probe, "w"):
+            pass
+        os.remove(probe)
+    except OSError as e:
+        raise UsageError(f"--out: {folder} is not writable ({e.strerror or e})") from None
 
 
 def read_report(path: str) -> dict:
