@@ -132,9 +132,10 @@ def profile_step(args, extra: list[str]) -> dict:
 
 
 # ---- the trace, matched to the HLO -----------------------------------------------------------
-def kind_of(text: str, called: list[str]) -> str:
-    """The kind of op an instruction is (see the module docstring): the census's (`explore/step_census.py`),
-    its `gemm` named `matmul` as the profiles the calibration reads name it."""
+def kind_of(text: str, called: list) -> str:
+    """The kind of op an instruction is (see the module docstring): the census's (`explore/step_census.py`;
+    `called`: its fusion body's instructions), its `gemm` named `matmul` as the profiles the
+    calibration reads name it."""
     from zaya_jax.explore import step_census
 
     kind = step_census.kind_of(text, called)
@@ -167,30 +168,32 @@ def by_kernel_name(name: str) -> tuple[str, str] | None:
 def tally(hlo: str, trace_path: str, steps: int) -> tuple[list[dict], float]:
     from zaya_jax.explore import step_census
 
-    table = {name: (i.text, i.computation) for name, i in step_census.instructions(hlo).items()}
+    table = step_census.instructions(hlo)
     bodies = collections.defaultdict(list)
-    for text, computation in table.values():
-        bodies[computation].append(text)
+    for inst in table.values():
+        bodies[inst.computation].append(inst)
     normal = {_normal(name): name for name in table}
     events = _device_events(trace_path)
     acc = collections.defaultdict(lambda: [0.0, 0, 0])
     unmatched = 0.0
     for name, args, dur_us in events:
         # A kernel inside a CUDA graph names its fusion; its hlo_op names only the command buffer.
-        inst = next((normal[_normal(k)] for k in (name, args.get("hlo_op", "")) if _normal(k) in normal), None)
-        if inst is not None:
-            text = table[inst][0]
-            called = [t for c in re.findall(r"calls=%?([\w.\-]+)", text) for t in bodies.get(c, [])]
-            key = (part_of(text), kind_of(text, called))
+        found = next((normal[_normal(k)] for k in (name, args.get("hlo_op", "")) if _normal(k) in normal), None)
+        moved = 0
+        if found is not None:
+            inst = table[found]
+            called = [i for c in re.findall(r"calls=%?([\w.\-]+)", inst.text) for i in bodies.get(c, [])]
+            key = (part_of(inst.text), kind_of(inst.text, called))
+            moved = step_census.moved_bytes(inst, called, table)  # the census's bytes, slices as moved
         else:
-            key, text = by_kernel_name(name), ""
+            key = by_kernel_name(name)
             if key is None:
                 unmatched += dur_us
                 continue
         row = acc[key]
         row[0] += dur_us
         row[1] += 1
-        row[2] += step_census.shape_bytes(text) + _operand_bytes(text, table)
+        row[2] += moved
     total = sum(v[0] for v in acc.values()) or 1.0
     rows = [{"part": part, "kind": kind, "ms_per_step": round(v[0] / 1e3 / steps, 3), "share": round(v[0] / total, 4),
              "ops_per_step": v[1] // steps, "gb_per_step": round(v[2] / 1e9 / steps, 3)}
@@ -218,13 +221,6 @@ def _device_events(trace_path: str) -> list[tuple[str, dict, float]]:
         if on_device:
             out.append((e["name"], e.get("args", {}), float(e.get("dur", 0.0))))
     return out
-
-
-def _operand_bytes(text: str, table: dict) -> int:
-    args = text.split("(", 1)[1] if "(" in text else ""
-    from zaya_jax.explore import step_census
-
-    return sum(step_census.shape_bytes(table[o][0]) for o in re.findall(r"%([\w.\-]+)", args.split(")")[0]) if o in table)
 
 
 def _normal(name: str) -> str:

@@ -142,25 +142,29 @@ def _control_runs(bodies: dict[str, list[Instruction]], entry: str) -> dict[str,
     return dict(runs)
 
 
+def _result_head(text: str) -> str:
+    """The result's shape (or tuple of shapes) at the start of an instruction's text."""
+    return text[: _tuple_end(text)] if text.startswith("(") else text.split(" ", 1)[0]
+
+
 def opcode(text: str) -> str:
     """An instruction's opcode: the first `name(` after its result's shape (a tuple's too)."""
-    rest = text[_tuple_end(text):] if text.startswith("(") else text.split(" ", 1)[-1]
+    rest = text[len(_result_head(text)):]
     m = re.search(r"([a-z][\w\-]*)\(", rest)
     return m.group(1) if m else ""
 
 
-def kind_of(text: str, called) -> str:
+def kind_of(text: str, called: list[Instruction]) -> str:
     """The kind of op an instruction is (see the module docstring); `called` holds the instructions
-    (or their texts) of the computations it calls: a fusion's body."""
+    of the computations it calls: a fusion's body."""
     op = opcode(text)
-    inner = [c.text if isinstance(c, Instruction) else c for c in called]
     if op.removesuffix("-start") in hlo_census.COLLECTIVES:
         return "collective"
     if op == "custom-call":  # a vendor library's GEMM, or a kernel (Pallas/Triton, cuDNN attention...)
         target = re.search(r'custom_call_target="([^"]*)"', text)
         target = target.group(1).lower() if target else ""
         return "gemm" if ("cublas" in target or "gemm" in target or "hipblas" in target) else "kernel"
-    if op in ("dot", "convolution") or any(opcode(c) in ("dot", "convolution") for c in inner):
+    if op in ("dot", "convolution") or any(c.opcode in ("dot", "convolution") for c in called):
         return "gemm"
     if op == "fusion" and "__triton_gemm" in text:
         return "gemm"
@@ -196,12 +200,11 @@ def _target(text: str) -> str:
 
 def shape_bytes(text: str) -> int:
     """Bytes of the first shape (or tuple of shapes) the text writes: an instruction's result."""
-    head = text.split("(", 1)[0] if not text.startswith("(") else text[: _tuple_end(text)]
-    return sum(hlo_census.array_bytes(head))
+    return sum(hlo_census.array_bytes(_result_head(text)))
 
 
 def _operands(text: str) -> list[str]:
-    body = text[_tuple_end(text):] if text.startswith("(") else text
+    body = text[len(_result_head(text)):]
     args = body.split("(", 1)[1] if "(" in body else ""
     depth, end = 1, 0
     for end, ch in enumerate(args):
@@ -235,8 +238,7 @@ def moved_bytes(inst: Instruction, called: list[Instruction], table: dict[str, I
 
 def _first_result_bytes(text: str) -> int:
     """A custom call's first result: a vendor GEMM returns (result, workspace)."""
-    head = text[: _tuple_end(text)] if text.startswith("(") else text.split(" ", 1)[0]
-    return (hlo_census.array_bytes(head) or [0])[0]
+    return (hlo_census.array_bytes(_result_head(text)) or [0])[0]
 
 
 def _param_index(inst: Instruction | None) -> int | None:
