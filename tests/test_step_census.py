@@ -146,7 +146,7 @@ def _tool(*args):
     (["--calibrate", os.path.join(ROOT, "benchmarks", "gpu_h200_16_layers.json")], "has no profiled step"),
     (["--layer", "3"], "unrecognized arguments"),
     (["--gpu-target", "/nonexistent/target.txtpb"], "--gpu-target /nonexistent/target.txtpb"),
-    (["--out", "/proc/census/out.json"], "--out: /proc/census is not writable"),
+    (["--out", "/proc/census/out.json"], "--out /proc/census is not writable"),
 ])
 def test_bad_input_is_one_line_and_exit_2(args, words):
     run = _tool(*args)

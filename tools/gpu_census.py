@@ -25,7 +25,6 @@ Every change to the step is compiled and counted here before a GPU times it. Bad
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import sys
@@ -34,19 +33,13 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "tools"))
+
+# The step, its bad-input convention and the --out check are gpu_check's, whose step this counts.
+from gpu_check import EXPERIMENT, UsageError, _Parser, check_writable, step_overrides  # noqa: E402
 DEFAULT_TARGET = os.path.join(ROOT, "benchmarks", "gpu_targets", "h100_sxm.txtpb")
 GIB = 1024 ** 3
 # GEMMs to cuBLAS, as autotuning picks on the device for these shapes (the deviceless compile cannot autotune).
 COMPILER_OPTIONS = {"xla_gpu_enable_triton_gemm": False}
-
-
-class UsageError(Exception):
-    """Bad input: one line on stderr, exit status 2."""
-
-
-class _Parser(argparse.ArgumentParser):
-    def error(self, message):
-        raise UsageError(message)
 
 
 def parse_args(argv):
@@ -71,20 +64,8 @@ def parse_args(argv):
     if args.calibrate:
         args.report = read_report(args.calibrate)
     if args.out:
-        check_writable(os.path.dirname(os.path.abspath(args.out)))
+        check_writable(os.path.dirname(os.path.abspath(args.out)), "--out")
     return args
-
-
-def check_writable(folder: str) -> None:
-    """--out's folder exists (or can be made) and takes a file: found before minutes of compiling."""
-    try:
-        os.makedirs(folder, exist_ok=True)
-        probe = os.path.join(folder, f".gpu_census_{os.getpid()}")
-        with open(probe, "w"):
-            pass
-        os.remove(probe)
-    except OSError as e:
-        raise UsageError(f"--out: {folder} is not writable ({e.strerror or e})") from None
 
 
 def read_report(path: str) -> dict:
@@ -113,7 +94,6 @@ def devices_for(target_path: str):
 
 def compile_census(devices, layers: int, seq_len: int, batch: int, micro_batches: int, overrides) -> dict:
     """The census of one step shape: its ops, XLA's peak bytes, and the compile's seconds."""
-    from gpu_check import EXPERIMENT, step_overrides
     from zaya_jax.explore import step_census
     from zaya_jax.kernels.registry import device_target
     from zaya_jax.train.program import program_for_target
@@ -149,20 +129,24 @@ def calibration(devices, report: dict, overrides) -> dict:
 
     prof = report["parts"]["profile"]
     shape = (prof["layers"], prof["seq_len"], prof["batch"], prof["micro_batches"])
-    # The steps as they ran: a report from before bf16 Newton–Schulz ran it in fp32.
-    ran = [*overrides, f"--config.optim.muon_ns_dtype={prof.get('muon_ns_dtype', 'float32')}"]
-    profiled = compile_census(devices, *shape, ran)
+    profiled = compile_census(devices, *shape, as_it_ran(overrides, prof))
     bench = (report["parts"].get("bench") or {}).get("rows") or []
     rates = census_pricing.fit_rates(profiled["ops"], prof["rows"], bench)
     checks = [{"layers": prof["layers"], "micro_batches": prof["micro_batches"], "measured_s": prof["step_s"],
                "predicted_s": sum(census_pricing.predict(profiled["ops"], rates).values()), "fitted": True}]
     step = report["parts"].get("step") or {}
     if step.get("step_s") and step.get("layers"):
-        ran = [*overrides, f"--config.optim.muon_ns_dtype={step.get('muon_ns_dtype', 'float32')}"]
-        timed = compile_census(devices, step["layers"], step["seq_len"], step["batch"], step["micro_batches"], ran)
+        timed = compile_census(devices, step["layers"], step["seq_len"], step["batch"], step["micro_batches"],
+                               as_it_ran(overrides, step))
         checks.append({"layers": step["layers"], "micro_batches": step["micro_batches"], "measured_s": step["step_s"],
                        "predicted_s": sum(census_pricing.predict(timed["ops"], rates).values()), "fitted": False})
     return {"device": report.get("device", {}).get("slug"), "jax": report.get("jax"), "rates": rates, "checks": checks}
+
+
+def as_it_ran(overrides, part: dict) -> list[str]:
+    """`overrides` and the Newton–Schulz dtype a report's step ran with: fp32 in a report from before
+    bf16 became the GPU default (it names none)."""
+    return [*overrides, f"--config.optim.muon_ns_dtype={part.get('muon_ns_dtype', 'float32')}"]
 
 
 def main(argv=None) -> int:

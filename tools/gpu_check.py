@@ -128,15 +128,16 @@ def check_args(args) -> list[str]:
     return [x for x in PARTS if x in parts]
 
 
-def check_writable(folder: str) -> None:
+def check_writable(folder: str, flag: str = "--out-dir") -> None:
+    """`folder` exists (or can be made) and takes a file: found before minutes of compiling."""
     try:
         os.makedirs(folder, exist_ok=True)
-        probe = os.path.join(folder, f".gpu_check_{os.getpid()}")
+        probe = os.path.join(folder, f".zaya_probe_{os.getpid()}")
         with open(probe, "w"):
             pass
         os.remove(probe)
     except OSError as e:
-        raise UsageError(f"--out-dir {folder} is not writable: {e.strerror or e}") from None
+        raise UsageError(f"{flag} {folder} is not writable: {e.strerror or e}") from None
 
 
 # ---- subprocesses ----------------------------------------------------------------------------

@@ -23,6 +23,8 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from zaya_jax.kernels.registry import GPU_TARGETS
+
 # Quintic Newton–Schulz coefficients (Keller Jordan's Muon): fast growth of small singular
 # values; the result has singular values in roughly [0.7, 1.2] rather than exactly 1.
 NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
@@ -32,7 +34,7 @@ def ns_dtype(name: str, target: str | None) -> str:
     """The dtype Newton–Schulz iterates in for the config's `name` on kernel target `target`."""
     if name != "auto":
         return name
-    return "bfloat16" if target in ("cuda", "rocm") else "float32"
+    return "bfloat16" if target in GPU_TARGETS else "float32"
 
 
 @dataclasses.dataclass(frozen=True)
