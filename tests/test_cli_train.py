@@ -146,6 +146,7 @@ def _assert_progress_bar(result, train, eval_loss):
     (["--config.data.tokenizer=/nonexistent/tokenizer.json"], "/nonexistent/tokenizer.json", 1),
     (["--config.model.moe_kernel=triton"], "model.moe_kernel must be one of", 1),
     (["--config.optim.balancer=sign"], "optim.balancer must be one of spread, adam, got 'sign'", 1),
+    (["--config.optim.muon_ns_dtype=fp8"], "optim.muon_ns_dtype must be one of auto, float32, bfloat16, got 'fp8'", 1),
     (["--config.model.attention_kernel=cudnn"], "model.attention_kernel: the cudnn attention backend needs an NVIDIA GPU", 1),
     (["--config.model.moe_kernel=hipblaslt"], "the hipblaslt grouped_matmul backend needs an AMD GPU (ROCm)", 1),
     (["--config.train.compile_cache="], "train.compile_cache must be 'workdir', 'off' or a directory", 1),
@@ -155,7 +156,7 @@ def _assert_progress_bar(result, train, eval_loss):
      "model.num_key_value_heads (2) is not divisible by mesh.tensor (4): CCA mixes the query heads", 8),
 ], ids=["unknown-key", "mistyped-override", "non-bool-zero1", "profile-window", "profile-after-the-end",
         "mesh-vs-devices", "batch-vs-data-axes", "missing-data", "missing-tokenizer",
-        "unknown-kernel", "unknown-balancer", "cudnn-attention-needs-nvidia", "hipblaslt-without-rocm", "empty-compile-cache",
+        "unknown-kernel", "unknown-balancer", "unknown-newton-schulz-dtype", "cudnn-attention-needs-nvidia", "hipblaslt-without-rocm", "empty-compile-cache",
         "negative-cpu-devices",
         "unwritable-compile-cache", "kv-heads-vs-tensor"])
 def test_bad_inputs_are_one_line_errors(tmp_path, args, words, devices):

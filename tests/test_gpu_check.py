@@ -25,6 +25,8 @@ gpu_wheels = load_script("tools", "gpu_wheels")
     (["--budget-s=soon"], "invalid float value"),
     (["--frobnicate"], "unrecognized argument '--frobnicate'"),
     (["--config.train.steps"], "has no value"),
+    (["--micro-batches=0"], "--micro-batches must be >= 1"),
+    (["--batch=4", "--micro-batches=3"], "--batch 4 must be a multiple of --micro-batches 3"),
 ])
 def test_bad_arguments_are_one_line_and_exit_2(capsys, tmp_path, args, words):
     assert gpu_check.main(args + [f"--out-dir={tmp_path}"]) == 2
