@@ -15,7 +15,9 @@ are the inside of one kernel. Each op has
   the blocks; a backward op's part ends in ` bwd`;
 * `bytes`: what it reads and writes in HBM (result + operands; an in-place dynamic update or a
   dynamic slice moves the slice, not the buffer it lives in);
-* `flops` and `dtype` of a GEMM (2 x result elements x contracted size; the lhs operand's dtype).
+* `flops` and `dtype` of a GEMM (2 x result elements x contracted size; the lhs operand's dtype),
+  and of the kernels that multiply: our grouped matmul and attention, cuDNN's attention
+  (`kernel_flops`).
 
 `tools/gpu_census.py` prints it as a table per part and prices it at a GPU report's rates
 (`explore/census_pricing.py`); `tools/profile_step.py` matches a measured trace to the same ops.
