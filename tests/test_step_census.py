@@ -73,6 +73,36 @@ def test_a_vendor_gemm_counts_its_flops_and_operand_dtype(dtype, named):
     assert (int(flops), got) == (2 * 4 * 64 * 256 * 128, named)
 
 
+_NEWTON_SCHULZ = """
+import sys, jax, jax.numpy as jnp
+from zaya_jax.explore import deviceless, step_census
+from zaya_jax.train.muon import newton_schulz
+deviceless.use_cpu_host()
+target = sys.argv[1]
+[device] = deviceless.gpu_devices(deviceless.read_target(target), 1, 1, target)
+g = jax.ShapeDtypeStruct((8, 256, 256), jnp.float32, sharding=jax.sharding.SingleDeviceSharding(device))
+fn = lambda g: newton_schulz(g, steps=5, dtype=jnp.bfloat16)
+hlo = jax.jit(fn).trace(g).lower().compile({"xla_gpu_enable_triton_gemm": False}).as_text()
+for op in step_census.census(hlo):
+    print("OP", op.kind, op.runs, op.bytes)
+"""
+
+
+@needs_plugin
+def test_newton_schulz_compiled_for_an_h100_is_three_gemms_an_iteration_and_no_elementwise_pass():
+    """Its scalars are cuBLASLt alphas and its sums the GEMMs' addends: what is left besides the 15
+    GEMMs is the normalisation before and the scale after, not a pass over [rows, rows] each iteration."""
+    target = os.path.join(ROOT, "benchmarks", "gpu_targets", "h100_sxm.txtpb")
+    run = subprocess.run([sys.executable, "-c", _NEWTON_SCHULZ, target], capture_output=True, text=True,
+                         timeout=300, env={**os.environ, "JAX_PLATFORMS": ""}, cwd=ROOT)
+    ops = [line.split()[1:] for line in run.stdout.splitlines() if line.startswith("OP")]
+    assert ops, run.stdout + run.stderr[-2000:]
+    gemms = [op for op in ops if op[0] == "gemm"]
+    others = [op for op in ops if op[0] != "gemm"]
+    assert sum(int(runs) for _, runs, _ in gemms) == 15
+    assert len(others) <= 5, others  # the norm's reduction and clamp, the scaled cast in, the scale out
+
+
 def test_a_dynamic_update_in_a_scan_moves_the_row_not_the_stack():
     rows, width = 64, 1024
 

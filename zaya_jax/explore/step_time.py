@@ -41,6 +41,7 @@ from zaya_jax.explore.collectives import Network
 from zaya_jax.explore.placement import Span, spans
 from zaya_jax.explore.workload import Workload, Share, lasp2_ends_bytes, lasp2_state_bytes, share
 from zaya_jax.kernels import pallas_linear_attention, tiled_grouped_matmul, tuning
+from zaya_jax.kernels.registry import GPU_TARGETS
 from zaya_jax.model.layer_stack import MIXERS
 from zaya_jax.parallel import muon_spread, tsp_experts, zigzag
 from zaya_jax.parallel.axes import BATCH_AXES, SEQUENCE_AXES
@@ -413,12 +414,13 @@ def optimizer_seconds(run: Workload, sizes: dict[str, int]) -> float:
     fp32 matmul peak and a profile's measured share of it; bf16 products, the GPU default, at the
     BF16 peak and the matmuls' share; each weight's stacked matrices one batched product: its rate,
     on a host measured by size, that of the whole batch), the iterations' elementwise updates of
-    those matrices (`NS_PASSES` per iteration, in the products' dtype) and one pass over the state
-    in memory."""
+    those matrices (`NS_PASSES` per iteration, in the products' dtype, on a host; a GPU's GEMMs
+    take them as alpha and addend) and one pass over the state in memory."""
     state = inventory.state_bytes(run.cfg, sizes, run.zero1)
     stream = 3 * (state.params + state.grads + state.optimizer)  # read grads and state, write state
     bf16 = run.ns_in_bf16
-    stream += (0.5 if bf16 else 1.0) * NS_PASSES * run.ns_steps * sum(
+    passes = 0 if run.hw.target in GPU_TARGETS else NS_PASSES
+    stream += (0.5 if bf16 else 1.0) * passes * run.ns_steps * sum(
         memory.ns_matrix_bytes(g, sizes) for g in inventory.param_groups(run.cfg) if g.optimizer == "muon")
     hw = run.hw
     unscaled = dataclasses.replace(run, residual=1.0)  # the residual is the blocks' compute's, not this

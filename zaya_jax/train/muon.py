@@ -55,9 +55,13 @@ def newton_schulz(g: jax.Array, steps: int = 5, eps: float = 1e-7, dtype=jnp.flo
     """Approximately orthogonalise the last two dims of `g` (the polar factor U Vᵀ of its SVD),
     iterating in `dtype`; the result is in `dtype`.
 
-    Each iteration is `x ← a·x + (b·A + c·A²)·x` with `A = x·xᵀ`, written as three products
-    `A = x·xᵀ`, `B = A·(c·A + b·I) + a·I`, `x ← B·x` so the scalars ride on two elementwise passes over
-    the small [rows, rows] side instead of three over `x` (the scaled copies and the sum)."""
+    Each iteration is `x ← a·x + (b·A + c·A²)·x` with `A = x·xᵀ`. It runs on `y = x / s`, where the
+    scalar `s` (a power of `a`) is known when tracing: with `G = y·yᵀ`,
+    `P = G + (c·s²/b)·G·G` and `y ← y + (b·s²/a)·P·y`, `s ← a·s`. Every scalar is then a GEMM's alpha
+    and every sum its addend, so a GPU runs an iteration as three GEMMs and no elementwise pass
+    (cuBLASLt's alpha and bias); the rounding is that of torch's `addmm` form (`b·A + c·A·A` in one
+    GEMM). In bf16 XLA holds the two alphas as bf16 constants: b and c move by up to 0.4% in an
+    iteration (docs/training.md measures what that costs); `s` itself stays exact."""
     a, b, c = NS_COEFFICIENTS
     wide = g.shape[-2] <= g.shape[-1]
     x = g if wide else jnp.swapaxes(g, -1, -2)
@@ -66,13 +70,15 @@ def newton_schulz(g: jax.Array, steps: int = 5, eps: float = 1e-7, dtype=jnp.flo
         # max(‖x‖, eps), not ‖x‖ + eps: the router's momenta have norms of 1e-6..1e-5, where an added
         # eps would shrink their update by up to 4% (torch.optim.Muon clamps the same way).
         x = x.astype(jnp.float32)
-        x = (x / jnp.maximum(jnp.linalg.norm(x, axis=(-2, -1), keepdims=True), eps)).astype(dtype)
-        eye = jnp.eye(x.shape[-2], dtype=jnp.float32)
+        y = (x / jnp.maximum(jnp.linalg.norm(x, axis=(-2, -1), keepdims=True), eps)).astype(dtype)
+        s = 1.0
         for _ in range(steps):
-            gram = x @ jnp.swapaxes(x, -1, -2)  # the small side: [rows, rows]
-            # The scalars in fp32 inside the elementwise pass: no rounding of a, b, c to bf16.
-            poly = (c * gram.astype(jnp.float32) + b * eye).astype(dtype)
-            x = ((gram @ poly).astype(jnp.float32) + a * eye).astype(dtype) @ x
+            # Each iteration's own alphas: XLA merges equal constants, and a shared one is no alpha.
+            gram = y @ jnp.swapaxes(y, -1, -2)  # the small side: [rows, rows]
+            poly = gram + (c * s * s / b) * (gram @ gram)
+            y = y + (b * s * s / a) * (poly @ y)
+            s *= a
+        x = (y.astype(jnp.float32) * s).astype(dtype)
     return x if wide else jnp.swapaxes(x, -1, -2)
 
 
