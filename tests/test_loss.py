@@ -247,3 +247,22 @@ def test_token_scores_are_the_full_logits_log_probabilities_and_argmax(layout):
     np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-5)
     np.testing.assert_array_equal(np.asarray(greedy), logits.argmax(-1) == np.asarray(targets))
     assert np.asarray(greedy).mean() >= 0.5
+
+
+def test_a_chunks_max_and_sum_of_exponentials_hold_where_masked_columns_meet_first():
+    """The loss reads each chunk once for its max and its sum of exponentials (online pairs). A GPU's
+    tree reduction can pair two masked (-inf) columns before any real one; on the CPU's running
+    reduction that is a row whose leading columns are masked. Neither may turn into NaN."""
+    from zaya_jax.train.loss import _max_and_sum_exp
+
+    rng = np.random.default_rng(0)
+    logits = rng.normal(size=(6, 40)).astype(np.float32) * 5
+    logits[0, :39] = -np.inf  # one real column, last
+    logits[1, :20] = -np.inf
+    logits[2, ::2] = -np.inf
+    top, total = _max_and_sum_exp(jnp.asarray(logits))
+    finite = np.where(np.isfinite(logits), logits, np.nan)
+    want_top = np.nanmax(finite, axis=-1)
+    want_total = np.nansum(np.exp(finite - want_top[:, None]), axis=-1)
+    np.testing.assert_allclose(np.asarray(top), want_top, rtol=1e-6)
+    np.testing.assert_allclose(np.asarray(total), want_total, rtol=1e-5)

@@ -120,6 +120,20 @@ def test_a_dynamic_update_in_a_scan_moves_the_row_not_the_stack():
     assert sum(o.runs * o.bytes for o in looped) < 8 * stack
 
 
+def test_a_gather_from_a_masked_array_reads_the_gathered_elements_not_the_array():
+    """The loss picks each token's target logit out of a masked [tokens, vocab] chunk: one fused
+    kernel that reads one logit a token, as XLA evaluates the mask only where the gather asks."""
+    rows, vocab = 1024, 512
+
+    def picked(logits, target):
+        masked = jnp.where(logits > 0, logits, -jnp.inf)
+        return jnp.take_along_axis(masked, target[:, None], axis=-1)[:, 0] + 1.0
+
+    ops = step_census.census(_compiled(picked, jnp.ones((rows, vocab), jnp.float32), jnp.zeros((rows,), jnp.int32)))
+    [op] = ops
+    assert op.bytes == 3 * rows * 4  # the result, the targets, one logit a row
+
+
 def test_parts_come_from_named_scopes_and_the_backward_is_told_apart():
     w = jnp.ones((32, 32), jnp.float32)
 

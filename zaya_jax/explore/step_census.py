@@ -249,16 +249,49 @@ def _param_index(inst: Instruction | None) -> int | None:
     return int(re.search(r"parameter\((\d+)\)", inst.text).group(1))
 
 
+# Ops a fused kernel evaluates element by element, only where a later op asks for the element.
+_PER_ELEMENT = {"bitcast", "reshape", "transpose", "convert", "copy", "select", "compare", "add", "subtract",
+                "multiply", "divide", "maximum", "minimum", "negate", "exponential", "log", "and", "or", "not", "abs"}
+_READS_PART = ("dynamic-slice", "slice", "gather")  # of their first operand: only the elements they return
+
+
 def _sliced_params(called: list[Instruction]) -> dict[int, int]:
-    """{parameter index: bytes read} of a fusion's parameters read only through slices of them."""
-    params = {c.name: _param_index(c) for c in called if c.opcode == "parameter"}
+    """{parameter index: bytes read} of a fusion's parameters read only in part: through slices or
+    gathers of them, directly or through per-element ops (a gather of a masked array reads the
+    gathered elements, not the array)."""
     users = collections.defaultdict(list)
     for c in called:
         for o in _operands(c.text):
-            if o in params:
-                users[o].append(c)
-    return {params[name]: sum(shape_bytes(u.text) for u in uses) for name, uses in users.items()
-            if all(u.opcode in ("dynamic-slice", "slice") and _operands(u.text)[:1] == [name] for u in uses)}
+            users[o].append(c)
+    read = {}
+    for c in called:
+        if c.opcode == "parameter":
+            elements = _elements_read(c.name, users)
+            if elements is not None:
+                read[_param_index(c)] = elements * shape_bytes(c.text) // max(_result_elements(c.text), 1)
+    return read
+
+
+def _elements_read(name: str, users: dict[str, list[Instruction]]) -> int | None:
+    """Elements of `name` a fused kernel reads if every use ends in a slice or gather of it (or of
+    per-element ops of it); None if any use reads all of it."""
+    ends: dict[str, int] = {}
+    todo, seen = [name], set()
+    while todo:
+        current = todo.pop()
+        if current in seen:
+            continue
+        seen.add(current)
+        if not users.get(current):
+            return None  # the fusion's result: every element is read
+        for u in users[current]:
+            if u.opcode in _READS_PART and _operands(u.text)[:1] == [current]:
+                ends[u.name] = _result_elements(u.text)
+            elif u.opcode in _PER_ELEMENT:
+                todo.append(u.name)
+            else:
+                return None
+    return sum(ends.values())
 
 
 def gemm_flops(inst: Instruction, called: list[Instruction], table: dict[str, Instruction]) -> tuple[int, str]:

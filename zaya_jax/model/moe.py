@@ -30,9 +30,10 @@ class Experts(nnx.Module):
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
         e, h, i = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
         init = normal(cfg.initializer_range)
-        self.gate = make_param(rngs, init, (e, h, i), ("experts", "embed", "mlp"))
-        self.up = make_param(rngs, init, (e, h, i), ("experts", "embed", "mlp"))
-        self.down = make_param(rngs, init, (e, i, h), ("experts", "mlp", "embed"))
+        # Read only in the compute dtype: the layer stack casts all layers' at once (`params.in_compute_dtype`).
+        self.gate = make_param(rngs, init, (e, h, i), ("experts", "embed", "mlp"), read_in_compute_dtype=True)
+        self.up = make_param(rngs, init, (e, h, i), ("experts", "embed", "mlp"), read_in_compute_dtype=True)
+        self.down = make_param(rngs, init, (e, i, h), ("experts", "mlp", "embed"), read_in_compute_dtype=True)
         self.kernel = cfg.moe_kernel
 
     def __call__(self, x: jax.Array, routing: Routing, schedule: Schedule = LOCAL) -> jax.Array:

@@ -34,10 +34,11 @@ def without_weight_copies(fn: Callable) -> Callable:
     casts to the compute dtype and the fused [E, H, 2·I] gate/up made again in the backward and
     everything else kept. The grouped matmuls keep their weight operand for the backward: without
     this and without remat every layer's experts would leave a copy of their weights behind until
-    the backward (the gathered layer, the fused gate/up, and below fp32 the cast down), a whole
-    extra set of expert weights over the layers. A gather, a cast and a concatenation are cheap to
-    redo; the CSE barrier stops XLA from merging them back into the forward's. Inside a remat
-    policy's checkpoint it changes nothing the policy keeps."""
+    the backward (the gathered layer, the fused gate/up), a whole extra set of expert weights over
+    the layers. (The cast down below fp32 is made once per step, before the layer scan:
+    `params.in_compute_dtype`.) A gather, a cast and a concatenation are cheap to redo; the CSE
+    barrier stops XLA from merging them back into the forward's. Inside a remat policy's checkpoint
+    it changes nothing the policy keeps."""
     return jax.checkpoint(fn, policy=_not_weight_copies)
 
 

@@ -21,7 +21,7 @@ from zaya_jax.model.schedule import LOCAL, Schedule
 from zaya_jax.model.linear_attn import LinearAttention
 from zaya_jax.model.moe import MoE
 from zaya_jax.model.norms import Affine, RMSNorm, ResidualMerge
-from zaya_jax.model.params import make_param, normal
+from zaya_jax.model.params import in_compute_dtype, make_param, normal
 from zaya_jax.model.segments import SequenceInfo, sequence_info
 
 
@@ -63,11 +63,15 @@ class Layers(nnx.Module):
                 make = MIXER_CLASSES[kind]
                 setattr(self, attr, init_stack(lambda r, make=make: make(cfg, rngs=r), rngs.params(), kinds.count(kind)))
 
-    def split(self, cfg: ModelConfig):
-        """((block graphdef, block parts stacked over L), {kind: (mixer graphdef, stacked state)})."""
+    def split(self, cfg: ModelConfig, dtype=None):
+        """((block graphdef, block parts stacked over L), {kind: (mixer graphdef, stacked state)});
+        with `dtype`, the weights read only in it already cast (`params.in_compute_dtype`)."""
         block_def, shapes = nnx.split(nnx.eval_shape(lambda: Block(cfg, rngs=nnx.Rngs(0))))
         parts = nnx.State({name: nnx.state(getattr(self, name)) for name in shapes.keys()})
         mixers = {kind: nnx.split(getattr(self, attr)) for kind, attr in MIXERS.items() if kind in cfg.layer_kinds}
+        if dtype is not None:
+            parts = in_compute_dtype(parts, dtype)
+            mixers = {kind: (graphdef, in_compute_dtype(state, dtype)) for kind, (graphdef, state) in mixers.items()}
         return (block_def, parts), mixers
 
 
@@ -102,7 +106,7 @@ class Zaya(nnx.Module):
         def step(block, mixer, h, router_state):
             return block(mixer, h, router_state, seq, dtype, schedule)
 
-        blocks, mixers = self.layers.split(cfg)
+        blocks, mixers = self.layers.split(cfg, dtype)
         h, routing = run_blocks(blocks, mixers, cfg.layer_kinds, h, no_router_state, step, remat=remat, scan=scan,
                                 unroll=unroll)
         return self.final_norm(h, jnp.float32, schedule), routing

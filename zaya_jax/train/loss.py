@@ -175,8 +175,9 @@ def _forward(chunk, dtype, axis, hidden, embedding, targets, with_max: bool = Fa
         offset = offset + first
         # Every chunk holds at least one real column, so new_max is finite and the rescale of
         # the previous sum (exp(-inf) = 0 on the first chunk) never produces NaN.
-        new_max = jnp.maximum(run_max, logits.max(axis=-1))
-        run_sum = run_sum * jnp.exp(run_max - new_max) + jnp.exp(logits - new_max[..., None]).sum(axis=-1)
+        chunk_max, chunk_sum = _max_and_sum_exp(logits)
+        new_max = jnp.maximum(run_max, chunk_max)
+        run_sum = run_sum * jnp.exp(run_max - new_max) + chunk_sum * jnp.exp(chunk_max - new_max)
         local = targets - offset
         # A padding column of this slice may carry the index of the next slice's row: not ours.
         here = (local >= 0) & (local < chunk) & (targets - first < vocab)
@@ -195,6 +196,22 @@ def _forward(chunk, dtype, axis, hidden, embedding, targets, with_max: bool = Fa
     lse = run_max + jnp.log(run_sum)
     # The gap to the largest logit is exactly 0 where the target is it (both are the same logit).
     return (lse - target_logit, lse, run_max - target_logit) if with_max else (lse - target_logit, lse)
+
+
+def _max_and_sum_exp(logits: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Per row of `logits` [..., C]: its max m and sum(exp(logits - m)), in one read of the chunk (a
+    max and then a sum of exponentials would read it twice). Pairs (m, s) combine as an online
+    logsumexp; a -inf column's pair (-inf, 1) weighs exp(-inf) = 0 against any real column."""
+
+    def combine(a, b):
+        (max_a, sum_a), (max_b, sum_b) = a, b
+        top = jnp.maximum(max_a, max_b)
+        # Two -inf halves share top = -inf: weight 1, not exp(nan); a real column later zeroes them.
+        weight = lambda m: jnp.where(m == top, 1.0, jnp.exp(m - top))
+        return top, sum_a * weight(max_a) + sum_b * weight(max_b)
+
+    init = (jnp.float32(-jnp.inf), jnp.float32(0.0))
+    return jax.lax.reduce((logits, jnp.ones_like(logits)), init, combine, (logits.ndim - 1,))
 
 
 def _fwd(chunk, dtype, axis, hidden, embedding, targets):
