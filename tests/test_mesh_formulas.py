@@ -362,7 +362,9 @@ def test_muon_matrices_move_by_all_to_all_over_the_axes_inside_them_and_nothing_
     # tsp 8: a weight split inside its matrices (hidden or width) goes there and back as its shard,
     # padded to whole matrices (at most one more a device: the tile is padded to the 8 devices);
     # one the rules leave whole (the router's) is replicated: each device takes its part, and the
-    # results are gathered. The bytes as compiled: tests/test_muon_spread.py.
+    # results are gathered. The bytes as compiled: tests/test_muon_spread.py. They move in the
+    # iterations' dtype: bf16 on a GPU (half the fp32 state's bytes).
+    assert r.ns_in_bf16
     sizes = mesh_sizes(tsp=8)
     tsp = moves(sizes)
     split = {g for g in muon if "tsp" in inventory.sharded_axes(g, sizes)}
@@ -370,9 +372,12 @@ def test_muon_matrices_move_by_all_to_all_over_the_axes_inside_them_and_nothing_
     # Four layers' router matrices over 8 devices: gathered they would be half padding, so they are
     # summed back (muon_spread.gathers_back).
     assert set(tsp) == {("tsp", "all_to_all"), ("tsp", "all_reduce")} and tsp["tsp", "all_to_all"].calls == 2
-    shards = sum(g.count * inventory.local_bytes(g, sizes) for g in split)
-    assert shards <= tsp["tsp", "all_to_all"].nbytes <= shards + sum(inventory.matrix_bytes(g) for g in split)
-    assert tsp["tsp", "all_reduce"].nbytes == sum(g.count * inventory.local_bytes(g, sizes) for g in set(muon) - split)
+    shards = sum(g.count * inventory.local_bytes(g, sizes) for g in split) / 2
+    assert shards <= tsp["tsp", "all_to_all"].nbytes <= shards + sum(inventory.matrix_bytes(g, 2) for g in split)
+    assert tsp["tsp", "all_reduce"].nbytes == sum(g.count * inventory.local_bytes(g, sizes) for g in set(muon) - split) / 2
+    fp32 = dataclasses.replace(r, ns_dtype="float32")
+    assert {(tr.axis, tr.op): tr for tr in step_time.transfers(fp32, sizes)}["tsp", "all_reduce"].nbytes == \
+        2 * tsp["tsp", "all_reduce"].nbytes
     # expert 4: the experts are split between whole matrices (nothing moves); the rest is replicated,
     # so each device takes its part and the results are gathered.
     sizes = mesh_sizes(expert=4)

@@ -153,9 +153,10 @@ def optimizer_split(group: ParamGroup, sizes: dict[str, int], zero1: bool) -> in
     return sizes.get("data", 1) if zero1 and _data_split(group, tuple(sizes.items())) is not None else 1
 
 
-def matrix_bytes(group: ParamGroup) -> float:
-    """fp32 bytes of one of a Muon weight's matrices (Muon works in fp32 whatever the parameters')."""
-    return group.elements / math.prod(group.shape[: group.view.batch_axes]) * 4
+def matrix_bytes(group: ParamGroup, itemsize: int = 4) -> float:
+    """Bytes of one of a Muon weight's matrices at `itemsize` (fp32 by default: Muon's state is fp32
+    whatever the parameters'; the iterations' dtype may be bf16, `Workload.ns_in_bf16`)."""
+    return group.elements / math.prod(group.shape[: group.view.batch_axes]) * itemsize
 
 
 def ns_share(group: ParamGroup, sizes: dict[str, int]) -> int:

@@ -218,8 +218,8 @@ def _operands(text: str) -> list[str]:
 
 def moved_bytes(inst: Instruction, called: list[Instruction], table: dict[str, Instruction]) -> int:
     """HBM bytes one run reads and writes: its result and operands, except that a dynamic slice
-    reads only its slice and an in-place dynamic update writes only its update (XLA updates the
-    buffer where it lies)."""
+    reads only its slice, an in-place dynamic update writes only its update (XLA updates the
+    buffer where it lies), and a fusion reads of an operand it slices or gathers only that part."""
     operands = [table[o] for o in _operands(inst.text) if o in table]
     sizes = [shape_bytes(o.text) for o in operands]
     result = _first_result_bytes(inst.text) if inst.opcode == "custom-call" else shape_bytes(inst.text)
@@ -233,7 +233,9 @@ def moved_bytes(inst: Instruction, called: list[Instruction], table: dict[str, I
         inner = {c.name: c for c in called}
         buffer = _param_index(inner.get(names[0])) if names else None
         update = shape_bytes(inner[names[1]].text) if len(names) > 1 and names[1] in inner else 0
-        return 2 * update + sum(size for i, size in enumerate(sizes) if i != buffer)
+        # The update is written; what it is made from is read (a slice of an operand: the slice).
+        read = _sliced_params(called)
+        return update + sum(read.get(i, size) for i, size in enumerate(sizes) if i != buffer)
     read = _sliced_params(called)
     return result + sum(read.get(i, size) for i, size in enumerate(sizes))
 

@@ -336,14 +336,16 @@ def _muon_exchange(run: Workload, sizes: dict[str, int], where: dict[str, Span])
     ways, each moving the device's tile padded to whole matrices; then the results back over the
     axes the state is replicated on: an all-gather of every replica's part (padded alike), or an
     all-reduce of the tile's where that would be mostly padding (`muon_spread.gathers_back`). Axes
-    that split between whole matrices move nothing."""
+    that split between whole matrices move nothing. They move in the iterations' dtype
+    (`train/muon.orthogonal_update`)."""
+    itemsize = 2 if run.ns_in_bf16 else 4
     exchanged: dict[str, float] = {}
     back: dict[tuple[tuple[str, ...], str], float] = {}
     for g in inventory.param_groups(run.cfg):
         if g.optimizer != "muon":
             continue
         matrices = g.count * math.prod(g.shape[: g.view.batch_axes])
-        matrix = inventory.matrix_bytes(g)
+        matrix = inventory.matrix_bytes(g, itemsize)
         between, inside = inventory.muon_tiles(g, sizes, run.zero1)
         held = -(-matrices // math.prod(sizes[a] for a in between | inside))  # whole, after the exchanges
         for axis in inside:

@@ -88,7 +88,8 @@ def orthogonal_update(m: jax.Array, view: MatrixView, steps: int, rms: float, sp
     iterations over the [*batch, fan_in, fan_out] matrices (the program's `parallel.muon_spread`:
     whole matrices spread over its devices, each orthogonalising its share a few at a time); None:
     all here at once. The iterations run in `dtype`."""
-    mats = view.to_matrices(m.astype(jnp.float32))
+    # In the iterations' dtype from the start: the momentum's pass writes it so, the spread moves it so.
+    mats = view.to_matrices(m.astype(dtype))
     scale = rms * math.sqrt(max(mats.shape[-2], mats.shape[-1]))
     orthogonalise = functools.partial(newton_schulz, steps=steps, dtype=jnp.dtype(dtype))
     out = orthogonalise(mats) if spread is None else spread(orthogonalise, mats, key)
