@@ -80,6 +80,21 @@ def test_newton_schulz_runs_in_bf16_on_gpu_targets_and_fp32_on_cpu():
     assert product_dtypes("cpu") == {"float32"}
 
 
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_the_direction_reaches_the_spread_in_the_iterations_dtype(dtype):
+    """The matrices go to the devices that orthogonalise them (and their momentum's pass writes them)
+    in the dtype the iterations run in: bf16 on GPUs, half the bytes of the fp32 state."""
+    seen = []
+
+    def spread(fn, mats, key):
+        seen.append(mats.dtype)
+        return fn(mats)
+
+    m = jax.random.normal(jax.random.key(0), (2, 16, 8))
+    out = orthogonal_update(m, MatrixView(batch_axes=1), 5, 0.2, spread, "w", dtype)
+    assert seen == [jnp.dtype(dtype)] and out.dtype == m.dtype
+
 def _equations(jaxpr):
     for e in jaxpr.eqns:
         yield e
