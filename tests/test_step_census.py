@@ -183,6 +183,22 @@ def _tool(*args):
                           env={**os.environ, "JAX_PLATFORMS": "cpu"})
 
 
+def test_the_calibration_compiles_a_reports_step_as_it_ran_not_as_asked():
+    """The profiled step is compiled with the report's kernels, remat and Newton–Schulz dtype: an
+    asked `--config.model.attention_kernel=cudnn` predicts a cuDNN step from a Pallas profile, it
+    does not turn the profile into a cuDNN one."""
+    import json
+    sys.path.insert(0, os.path.join(ROOT, "tools"))
+    import gpu_census
+
+    with open(os.path.join(ROOT, "benchmarks", "gpu_h200.json"), encoding="utf-8") as f:
+        profile = json.load(f)["parts"]["profile"]
+    overrides = gpu_census.as_it_ran(profile)
+    assert "--config.model.attention_kernel=pallas" in overrides and "--config.train.remat=full" in overrides
+    assert overrides[-1] == "--config.optim.muon_ns_dtype=float32"  # before bf16 was the default: none named
+    assert gpu_census.as_it_ran({**profile, "muon_ns_dtype": "bfloat16"})[-1].endswith("=bfloat16")
+
+
 @pytest.mark.parametrize("args, words", [
     (["--layers", "0"], "--layers must be >= 1"),
     (["--batch", "4", "--micro-batches", "3"], "multiple of --micro-batches"),

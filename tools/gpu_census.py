@@ -122,14 +122,14 @@ def summary(census: dict, layers: int, tokens: int) -> dict:
             "parts": step_census.by_part(ops)}
 
 
-def calibration(devices, report: dict, overrides) -> dict:
+def calibration(devices, report: dict) -> dict:
     """Rates from the report's profiled step (compiled here at its shape) and, at those rates, the
     prediction of every step the report timed against its measured time."""
     from zaya_jax.explore import census_pricing
 
     prof = report["parts"]["profile"]
     shape = (prof["layers"], prof["seq_len"], prof["batch"], prof["micro_batches"])
-    profiled = compile_census(devices, *shape, as_it_ran(overrides, prof))
+    profiled = compile_census(devices, *shape, as_it_ran(prof))
     bench = (report["parts"].get("bench") or {}).get("rows") or []
     rates = census_pricing.fit_rates(profiled["ops"], prof["rows"], bench)
     checks = [{"layers": prof["layers"], "micro_batches": prof["micro_batches"], "measured_s": prof["step_s"],
@@ -137,16 +137,23 @@ def calibration(devices, report: dict, overrides) -> dict:
     step = report["parts"].get("step") or {}
     if step.get("step_s") and step.get("layers"):
         timed = compile_census(devices, step["layers"], step["seq_len"], step["batch"], step["micro_batches"],
-                               as_it_ran(overrides, step))
+                               as_it_ran(step))
         checks.append({"layers": step["layers"], "micro_batches": step["micro_batches"], "measured_s": step["step_s"],
                        "predicted_s": sum(census_pricing.predict(timed["ops"], rates).values()), "fitted": False})
     return {"device": report.get("device", {}).get("slug"), "jax": report.get("jax"), "rates": rates, "checks": checks}
 
 
-def as_it_ran(overrides, part: dict) -> list[str]:
-    """`overrides` and the Newton–Schulz dtype a report's step ran with: fp32 in a report from before
-    bf16 became the GPU default (it names none)."""
-    return [*overrides, f"--config.optim.muon_ns_dtype={part.get('muon_ns_dtype', 'float32')}"]
+def as_it_ran(part: dict) -> list[str]:
+    """The overrides that make a report's step as it ran: its kernels, its remat and its
+    Newton–Schulz dtype (fp32 in a report from before bf16 became the GPU default: it names none).
+    Not the asked step's `--config` overrides: they describe the step to predict, not the one timed."""
+    from zaya_jax.kernels.registry import KERNEL_FIELDS
+
+    fields = {kernel: field for field, kernel in KERNEL_FIELDS.items()}
+    out = [f"--config.model.{fields[k]}={v}" for k, v in (part.get("kernels") or {}).items() if k in fields]
+    if part.get("remat"):
+        out.append(f"--config.train.remat={part['remat']}")
+    return [*out, f"--config.optim.muon_ns_dtype={part.get('muon_ns_dtype', 'float32')}"]
 
 
 def main(argv=None) -> int:
@@ -163,7 +170,7 @@ def main(argv=None) -> int:
 
     try:
         census = compile_census(devices, args.layers, args.seq_len, args.batch, args.micro_batches, args.overrides)
-        cal = calibration(devices, args.report, args.overrides) if args.calibrate else None
+        cal = calibration(devices, args.report) if args.calibrate else None
     except ZayaError as e:
         return fail(str(e))
     result = {"tool": "tools/gpu_census.py", "jax": jax.__version__, "device": devices[0].device_kind,
