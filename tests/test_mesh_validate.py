@@ -22,6 +22,7 @@ from paths import TINY
 from xla_test_flags import cuda_plugin_installed, jaxlib_minor
 
 H100_TARGET = "benchmarks/gpu_targets/h100_sxm.txtpb"  # an XLA GPU target config (explore/deviceless.py)
+MI300X_TARGET = "benchmarks/gpu_targets/mi300x.txtpb"  # a ROCm one (explore/rocm_standin.py)
 SMALL = ["--config.train.seq_len=64", "--config.train.global_batch_size=8", "--config.model.num_hidden_layers=2"]
 WIDE = SMALL + ["--config.model.hidden_size=256", "--config.model.num_attention_heads=8", "--config.model.head_dim=32",
                 "--config.model.num_experts=8", "--config.model.moe_intermediate_size=256",
@@ -102,7 +103,9 @@ def test_cli_validate_reports_xla_bytes(tmp_path):
     (["--hardware=h100", "--config.mesh.dta=2"], "unknown config key"),
     (["--hardware=h100", f"--gpu-target={H100_TARGET}"], "--gpu-target is the compiler --validate compiles with; add"),
     (["--hardware=mi300x", "--validate", f"--gpu-target={H100_TARGET}"],
-     "--gpu-target compiles for NVIDIA GPUs; --hardware mi300x is not one"),
+     "describes an NVIDIA GPU; --hardware mi300x is not one"),
+    (["--hardware=h100", "--validate", f"--gpu-target={MI300X_TARGET}"],
+     "describes an AMD GPU; --hardware h100 is not one \\(mi300x"),
     (["--hardware=h100", "--validate", "--gpu-target=/nonexistent.txtpb"],
      "--gpu-target /nonexistent.txtpb: No such file or directory"),
     (["--hardware=cpu", "--gpus-per-node=1", "--config.model.hidden_size=4096", "--config.model.num_hidden_layers=24",

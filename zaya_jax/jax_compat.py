@@ -8,7 +8,10 @@
   the reset of JAX's cache choice: `reset_compilation_cache`, and its cache writer, which writes from
   process 0 only: `cache_entries_from_every_process`;
 - Pallas's Triton module builder, wrapped so that every module it builds is verified as Triton will
-  verify it on the GPU: `verifying_triton_modules`.
+  verify it on the GPU: `verifying_triton_modules`;
+- JAX's registration of a PJRT plugin by its library path, with its GPU client options, for a plugin
+  whose own `initialize()` refuses without its GPU (the compile-only ROCm set-up):
+  `register_gpu_plugin`.
 
 Each reach resolves when it is first used. Where an upgrade moved what it reaches for, the caller
 gets a one-line `ZayaError` naming the JAX version and what moved, never an AttributeError from
@@ -46,6 +49,9 @@ _DISTRIBUTED_STATE = ("jax._src.distributed", "global_state", "the distributed r
 _CACHE_RESET = ("jax.experimental.compilation_cache.compilation_cache", "reset_cache", "the compilation cache reset")
 _CACHE_WRITE = ("jax._src.compiler", "_cache_write", "the persistent compilation cache's writer")
 _TRITON_MODULE = ("jax._src.pallas.triton.lowering", "lower_jaxpr_to_triton_module", "Pallas's Triton module builder")
+_REGISTER_PLUGIN = ("jax._src.xla_bridge", "register_plugin", "PJRT plugin registration")
+_BACKEND_FACTORIES = ("jax._src.xla_bridge", "_backend_factories", "the registered backend factories")
+_XLA_CLIENT = ("jax._src.xla_bridge", "xla_client", "XLA's client module")
 
 
 def _private(module: str, attribute: str, what: str):
@@ -176,6 +182,22 @@ def _first_diagnostic(e: Exception) -> str:
     return f"{message} ({os.path.basename(where[1])}:{where[2]})" if where else message
 
 
+def _gpu_options():
+    client = _private(*_XLA_CLIENT)
+    if not hasattr(client, "generate_pjrt_gpu_plugin_options"):
+        raise _moved("the GPU plugin's client options", "xla_client has no 'generate_pjrt_gpu_plugin_options'")
+    return client.generate_pjrt_gpu_plugin_options
+
+
+def register_gpu_plugin(name: str, library_path: str, platform_name: str) -> None:
+    """Register the PJRT GPU plugin at `library_path` as JAX's platform `name` (once per process)."""
+    if name in _private(*_BACKEND_FACTORIES):
+        return
+    options = _gpu_options()()
+    options["platform_name"] = platform_name
+    _private(*_REGISTER_PLUGIN)(name, priority=500, library_path=library_path, options=options)
+
+
 def reaches() -> dict:
     """Every reach resolved on the installed JAX (for tests/test_jax_compat.py): name → what it found."""
     import jax
@@ -186,5 +208,8 @@ def reaches() -> dict:
         "reset_compilation_cache": _private(*_CACHE_RESET),
         "cache_write": _private(*_CACHE_WRITE),
         "triton_module_builder": _private(*_TRITON_MODULE),
+        "register_plugin": _private(*_REGISTER_PLUGIN),
+        "backend_factories": _private(*_BACKEND_FACTORIES),
+        "gpu_plugin_options": _gpu_options(),
         "jax": jax.__version__,
     }

@@ -72,11 +72,14 @@ def _check_numbers(args) -> None:
         raise ZayaError("--gpu-target is the compiler --validate compiles with; add --validate")
     if args.gpu_target:
         from zaya_jax import hardware
+        from zaya_jax.explore import deviceless
 
-        if hardware.profile(args.hardware).target != "cuda":
-            nvidia = " | ".join(name for name, p in hardware.PROFILES.items() if p.target == "cuda")
-            raise ZayaError(f"--gpu-target compiles for NVIDIA GPUs; --hardware {args.hardware} is not one "
-                            f"({nvidia})")
+        platform = deviceless.target_platform(deviceless.read_target(args.gpu_target))
+        if hardware.profile(args.hardware).target != platform:
+            vendor = {"cuda": "NVIDIA", "rocm": "AMD"}[platform]
+            same = " | ".join(name for name, p in hardware.PROFILES.items() if p.target == platform)
+            raise ZayaError(f"--gpu-target {args.gpu_target} describes an {vendor} GPU; --hardware {args.hardware} "
+                            f"is not one ({same})")
     if args.top < 0:
         raise ZayaError(f"--top must be 0 (all) or a positive count, got {args.top}")
     if args.plot and not args.plot.lower().endswith(".png"):

@@ -5,6 +5,8 @@ installed beside the same jax (no GPU and no driver are used), an XLA GPU target
 device's limits, compute capability, kind and HBM; `benchmarks/gpu_targets/h100_sxm.txtpb` is an
 H100 SXM's) gives nodes x gpus-per-node devices whose programs are XLA's GPU build: its passes, the
 Pallas kernels through Triton and ptxas, its buffer assignment and memory analysis. Nothing runs.
+A target whose `platform_name` is ROCM (`mi300x.txtpb`) compiles with XLA's ROCm compiler instead,
+the Pallas kernels to AMDGPU code, through the set-up `explore/rocm_standin.py` describes.
 `zaya mesh --validate --gpu-target` and `benchmarks/explorer_drawn_shapes.py` compile on them.
 """
 
@@ -31,8 +33,13 @@ def gpu_devices(config: str, nodes: int, gpus_per_node: int, path: str) -> list:
     looking for a driver only while JAX runs on the CPU (`use_cpu_host`)."""
     from jax.experimental import topologies
 
+    platform = target_platform(config)
+    if platform == "rocm":
+        from zaya_jax.explore import rocm_standin
+
+        rocm_standin.register()
     try:
-        topology = topologies.get_topology_desc(platform="cuda", target_config=config,
+        topology = topologies.get_topology_desc(platform=platform, target_config=config,
                                                 topology=f"1x{nodes}x{gpus_per_node}")
     except NotImplementedError:
         raise ZayaError(f"--gpu-target needs JAX's CUDA plugin for this jax: {PLUGIN}") from None
@@ -40,6 +47,14 @@ def gpu_devices(config: str, nodes: int, gpus_per_node: int, path: str) -> list:
         first = (str(e).strip().splitlines() or [type(e).__name__])[0]
         raise ZayaError(f"--gpu-target {path}: XLA refused it as a GPU target config ({first})") from None
     return sorted(topology.devices, key=lambda d: (d.process_index, d.id))
+
+
+def target_platform(config: str) -> str:
+    """'rocm' for a target config whose `platform_name` is ROCM (an AMD GPU), else 'cuda'."""
+    import re
+
+    named = re.search(r'^\s*platform_name:\s*"(\w+)"', config, re.MULTILINE)
+    return "rocm" if named and named.group(1).upper() == "ROCM" else "cuda"
 
 
 def use_cpu_host() -> None:

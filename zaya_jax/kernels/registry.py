@@ -130,7 +130,9 @@ def device_target(device) -> str:
         return device.platform
     client = device.client
     names = f"{device.platform} {getattr(client, 'platform_name', '')} {getattr(client, 'platform_version', '')}"
-    return "rocm" if "rocm" in names.lower() or "hip" in names.lower() else "cuda"
+    # A compile-only device (`explore/deviceless.py`) says only "gpu": its kind names the vendor.
+    amd = getattr(device, "device_kind", "").lower().startswith("amd")
+    return "rocm" if "rocm" in names.lower() or "hip" in names.lower() or amd else "cuda"
 
 
 def platform() -> str:

@@ -1,0 +1,114 @@
+"""XLA's ROCm compiler without an AMD GPU (explore/rocm_standin.py, tools/rocm_compile_setup.py):
+stand-ins made from a library's undefined symbols, and compile-only MI300X devices."""
+
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from zaya_jax.explore import deviceless, rocm_standin
+from paths import ROOT
+
+needs_gcc = pytest.mark.skipif(not (shutil.which("gcc") and shutil.which("nm") and shutil.which("readelf")),
+                               reason="the stand-ins are built with gcc and binutils")
+MI300X = os.path.join(ROOT, "benchmarks", "gpu_targets", "mi300x.txtpb")
+
+
+def _gcc(*args):
+    subprocess.run(["gcc", "-shared", "-fPIC", *args], check=True, capture_output=True)
+
+
+# A consumer like the plugin: its loading registers a kernel, and one entry point calls the runtime.
+_CONSUMER = r"""
+extern void **__hipRegisterFatBinary(void *);
+extern int hipMalloc(void **, unsigned long);
+__attribute__((constructor)) static void load(void) { __hipRegisterFatBinary(0); }
+int run(void) { void *p; return hipMalloc(&p, 16); }
+"""
+_RUN = """
+import ctypes, sys
+for path in sys.argv[1:-1]:
+    ctypes.CDLL(path, mode=ctypes.RTLD_GLOBAL)
+consumer = ctypes.CDLL(sys.argv[-1])
+print("loaded", flush=True)
+consumer.run()
+"""
+
+
+@needs_gcc
+def test_stand_ins_export_what_a_library_takes_quiet_at_load_and_refusing_a_run(tmp_path):
+    """Built from the undefined symbols (with their version nodes) of a library linked against a
+    real `libamdhip64.so.7`: it loads on the stand-in alone (registration returns quietly), and
+    calling the runtime stops with the one line that says the stand-in only compiles."""
+    real = tmp_path / "real"
+    real.mkdir()
+    (real / "hip.c").write_text("void **__hipRegisterFatBinary(void *d) { return 0; }\n"
+                                "int hipMalloc(void **p, unsigned long n) { return 0; }\n")
+    (real / "hip.map").write_text("hip_4.2 { global: hipMalloc; __hipRegisterFatBinary; };\n")
+    _gcc("-o", str(real / "libamdhip64.so.7"), str(real / "hip.c"), "-Wl,-soname,libamdhip64.so.7",
+         f"-Wl,--version-script={real / 'hip.map'}")
+    (tmp_path / "consumer.c").write_text(_CONSUMER)
+    consumer = tmp_path / "consumer.so"
+    _gcc("-o", str(consumer), str(tmp_path / "consumer.c"), str(real / "libamdhip64.so.7"))
+
+    needed, symbols = rocm_standin.undefined_symbols(str(consumer))
+    assert "libamdhip64.so.7" in needed and ("hipMalloc", "hip_4.2") in symbols
+    [made] = rocm_standin.build([str(consumer)], str(tmp_path / "standin"))
+    assert os.path.basename(made) == "libamdhip64.so.7"
+    run = subprocess.run([sys.executable, "-c", _RUN, made, str(consumer)], capture_output=True, text=True,
+                         timeout=60)
+    assert run.stdout.startswith("loaded")  # the constructor's registration was answered
+    assert run.returncode != 0
+    assert "hipMalloc called on the stand-in libamdhip64.so.7, which only lets XLA compile" in run.stderr
+
+
+def test_a_symbol_goes_to_its_library_by_version_node_then_by_name():
+    assert rocm_standin.library_of("miopenCreate", "MIOPEN_HIP_1") == "libMIOpen"
+    assert rocm_standin.library_of("hipMemcpy", "hip_4.2") == "libamdhip64"
+    assert rocm_standin.library_of("rocblas_create_handle", "") == "librocblas"
+    assert rocm_standin.library_of("hipblasLtMatmul", "") == "libhipblaslt"
+    assert rocm_standin.library_of("ncclCommInitRank", "") == "librccl"
+    assert rocm_standin.library_of("PyDict_New", "") is None  # the process's, not ROCm's
+
+
+def test_a_target_names_its_platform():
+    assert deviceless.target_platform(deviceless.read_target(MI300X)) == "rocm"
+    h100 = os.path.join(ROOT, "benchmarks", "gpu_targets", "h100_sxm.txtpb")
+    assert deviceless.target_platform(deviceless.read_target(h100)) == "cuda"
+
+
+def test_a_rocm_target_without_the_set_up_is_one_line_naming_the_command(tmp_path, monkeypatch):
+    from zaya_jax.errors import ZayaError
+
+    monkeypatch.setenv("ZAYA_ROCM_COMPILE_DIR", str(tmp_path))
+    with pytest.raises(ZayaError, match="compile-only ROCm set-up in .* run python tools/rocm_compile_setup.py"):
+        rocm_standin.register()
+
+
+_COMPILE = """
+import sys
+import jax, jax.numpy as jnp
+from zaya_jax import kernels
+from zaya_jax.explore import deviceless
+from zaya_jax.kernels.registry import device_target, targeting
+deviceless.use_cpu_host()
+[device] = deviceless.gpu_devices(deviceless.read_target(sys.argv[1]), 1, 1, sys.argv[1])
+on = jax.sharding.SingleDeviceSharding(device)
+x = jax.ShapeDtypeStruct((512, 1024), jnp.bfloat16, sharding=on)
+w = jax.ShapeDtypeStruct((1024,), jnp.float32, sharding=on)
+with targeting(device_target(device)):
+    norm = lambda x, w: kernels.rms_norm(x, w, eps=1e-6, out_dtype=jnp.bfloat16, backend="pallas")
+    hlo = jax.jit(norm).trace(x, w).lower().compile().as_text()
+print(device.device_kind, device_target(device), "triton" in hlo)
+"""
+
+
+@pytest.mark.skipif(not os.path.exists(os.path.join(rocm_standin.setup_dir(), rocm_standin.PLUGIN_LIBRARY)),
+                    reason="no compile-only ROCm set-up here: python tools/rocm_compile_setup.py")
+def test_a_pallas_kernel_compiles_for_an_mi300x_without_one():
+    run = subprocess.run([sys.executable, "-c", _COMPILE, MI300X], capture_output=True, text=True, timeout=300,
+                         env={**os.environ, "JAX_PLATFORMS": ""}, cwd=ROOT)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert run.stdout.strip().splitlines()[-1] == "AMD Instinct MI300X rocm True"
