@@ -107,8 +107,10 @@ print(device.device_kind, device_target(device), "triton" in hlo)
 
 @pytest.mark.skipif(not os.path.exists(os.path.join(rocm_standin.setup_dir(), rocm_standin.PLUGIN_LIBRARY)),
                     reason="no compile-only ROCm set-up here: python tools/rocm_compile_setup.py")
-def test_a_pallas_kernel_compiles_for_an_mi300x_without_one():
-    run = subprocess.run([sys.executable, "-c", _COMPILE, MI300X], capture_output=True, text=True, timeout=300,
+@pytest.mark.parametrize("target", ["mi300x", "mi325x"])
+def test_a_pallas_kernel_compiles_for_an_amd_gpu_without_one(target):
+    path = os.path.join(ROOT, "benchmarks", "gpu_targets", f"{target}.txtpb")
+    run = subprocess.run([sys.executable, "-c", _COMPILE, path], capture_output=True, text=True, timeout=300,
                          env={**os.environ, "JAX_PLATFORMS": ""}, cwd=ROOT)
     assert run.returncode == 0, run.stderr[-2000:]
-    assert run.stdout.strip().splitlines()[-1] == "AMD Instinct MI300X rocm True"
+    assert run.stdout.strip().splitlines()[-1] == f"AMD Instinct {target.upper()} rocm True"
