@@ -5,11 +5,12 @@ compiles for GPUs this machine does not have (where JAX's CUDA plugin is install
 
 import dataclasses
 import json
+import os
 
 import pytest
 
 from zaya_jax.experiment import load_experiment
-from zaya_jax.explore import inventory, memory
+from zaya_jax.explore import inventory, memory, rocm_standin
 from zaya_jax.explore.placement import describe
 from zaya_jax.explore.against_xla import compiled_overrides, validate
 from zaya_jax.explore.workload import Workload
@@ -408,6 +409,25 @@ def test_gpu_target_compiles_the_layouts_for_gpus_this_machine_does_not_have(tmp
     # The GPU's own experts kernel (Pallas), not the `xla` grouped matmul a CPU validation compiles.
     assert {r["xla"]["kernels"]["grouped_matmul"] for r in validated} == {DEFAULTS["cuda"]["grouped_matmul"]} != {"xla"}
     for r in validated:  # parameters + optimizer state (+ the inputs) as the prediction has them
+        state = r["predicted"]["param_bytes"] + r["predicted"]["optimizer_bytes"]
+        assert r["xla"]["argument_bytes"] == pytest.approx(state, rel=0.02), r["layout"]
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not os.path.exists(os.path.join(rocm_standin.setup_dir(), rocm_standin.PLUGIN_LIBRARY)),
+                    reason="no compile-only ROCm set-up here: python tools/rocm_compile_setup.py")
+def test_gpu_target_compiles_the_layouts_for_amd_gpus_this_machine_does_not_have(tmp_path):
+    """The same for 8 MI300X, through XLA's ROCm compiler: the kernels the registry picks for ROCm
+    (compiled within its 64 KiB of LDS), the state bytes the prediction's."""
+    out = tmp_path / "layouts.json"
+    result = zaya("mesh", f"--config={TINY}", "--hardware=mi300x", "--top=2", "--validate",
+                  f"--gpu-target={MI300X_TARGET}", f"--json={out}", *SMALL)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "XLA: compiled for 8 AMD Instinct MI300X without them" in result.stdout
+    validated = [r for r in json.loads(out.read_text()) if "xla" in r]
+    assert len(validated) == 2 and all("error" not in r["xla"] for r in validated)
+    assert {r["xla"]["kernels"]["grouped_matmul"] for r in validated} == {DEFAULTS["rocm"]["grouped_matmul"]}
+    for r in validated:
         state = r["predicted"]["param_bytes"] + r["predicted"]["optimizer_bytes"]
         assert r["xla"]["argument_bytes"] == pytest.approx(state, rel=0.02), r["layout"]
 
