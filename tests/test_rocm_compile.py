@@ -149,3 +149,28 @@ def test_every_kernel_compiles_to_amdgpu_code_at_zaya1_shapes_forward_and_backwa
     cases = [line.split("|") for line in run.stdout.splitlines() if line.startswith("CASE ")]
     assert len(cases) == 20, run.stdout
     assert all(found == "True" for _, _, found, _ in cases), cases
+
+
+@pytest.mark.parametrize("args, words", [
+    (["--dir", "/proc/zaya/rocm"], "--dir /proc/zaya/rocm is not writable"),
+    (["--dri", "/tmp/x"], "unrecognized arguments: --dri"),
+])
+def test_the_set_up_tool_refuses_bad_input_in_one_line_before_installing(args, words):
+    run = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "rocm_compile_setup.py"), *args],
+                         capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert run.returncode == 2 and "Traceback" not in run.stderr, run.stderr[-2000:]
+    lines = run.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("rocm_compile_setup: error:") and words in lines[0], lines
+    assert "installing" not in run.stdout
+
+
+def test_zaya_mesh_with_an_amd_target_and_no_set_up_is_one_line_naming_the_command(tmp_path):
+    from zaya_process import zaya, zaya_env
+    from paths import TINY
+
+    result = zaya("mesh", f"--config={TINY}", "--hardware=mi300x", "--top=1", "--validate", f"--gpu-target={MI300X}",
+                  env=zaya_env(ZAYA_ROCM_COMPILE_DIR=str(tmp_path)))
+    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr[-2000:]
+    assert result.stderr.strip().splitlines()[-1] == (
+        f"zaya: error: a ROCM --gpu-target needs the compile-only ROCm set-up in {tmp_path}, which is not there: "
+        "run python tools/rocm_compile_setup.py")

@@ -17,7 +17,6 @@ compiler calls them. Bad input or a failed step is one line `rocm_compile_setup:
 
 from __future__ import annotations
 
-import argparse
 import os
 import subprocess
 import sys
@@ -25,6 +24,10 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.join(ROOT, "tools"))
+
+# gpu_check's bad-input convention (one line, exit 2) and its writable-folder check.
+from gpu_check import UsageError, _Parser, check_writable  # noqa: E402
 TARGET = os.path.join(ROOT, "benchmarks", "gpu_targets", "mi300x.txtpb")
 WHEELS = ("jax-rocm7-pjrt", "jax-rocm7-plugin")
 
@@ -51,19 +54,16 @@ print(f"{device.device_kind}: a bf16 matmul and a Pallas kernel compile ({time.p
 """
 
 
-class UsageError(Exception):
-    pass
-
-
 def main(argv=None) -> int:
     from zaya_jax.errors import ZayaError
     from zaya_jax.explore import rocm_standin
 
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--dir", default=None, help="where to set up (default: the directory zaya mesh looks in)")
-    args = p.parse_args(argv)
-    setup = os.path.abspath(args.dir or rocm_standin.setup_dir())
     try:
+        p = _Parser(description=__doc__.split("\n")[0], allow_abbrev=False)
+        p.add_argument("--dir", default=None, help="where to set up (default: the directory zaya mesh looks in)")
+        args = p.parse_args(argv)
+        setup = os.path.abspath(args.dir or rocm_standin.setup_dir())
+        check_writable(setup, "--dir")
         install(setup)
         start = time.perf_counter()
         made = rocm_standin.build([os.path.join(setup, rocm_standin.PLUGIN_LIBRARY)],
@@ -84,10 +84,6 @@ def install(setup: str) -> None:
 
     specs = [f"{name}=={jax.__version__}" for name in WHEELS]
     print(f"rocm_compile_setup: installing {' '.join(specs)} into {setup}", flush=True)
-    try:
-        os.makedirs(setup, exist_ok=True)
-    except OSError as e:
-        raise UsageError(f"--dir {setup}: {e.strerror}") from None
     run = subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--upgrade",
                           "--target", setup, *specs], capture_output=True, text=True)
     if run.returncode:

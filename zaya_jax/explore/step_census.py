@@ -227,6 +227,7 @@ def moved_bytes(inst: Instruction, called: list[Instruction], table: dict[str, I
         return 2 * result
     if inst.opcode == "dynamic-update-slice":
         return 2 * (sizes[1] if len(sizes) > 1 else 0)
+    read = _sliced_params(called)
     root = next((c for c in called if c.root), None)
     if root is not None and root.opcode == "dynamic-update-slice":
         names = _operands(root.text)
@@ -234,9 +235,7 @@ def moved_bytes(inst: Instruction, called: list[Instruction], table: dict[str, I
         buffer = _param_index(inner.get(names[0])) if names else None
         update = shape_bytes(inner[names[1]].text) if len(names) > 1 and names[1] in inner else 0
         # The update is written; what it is made from is read (a slice of an operand: the slice).
-        read = _sliced_params(called)
         return update + sum(read.get(i, size) for i, size in enumerate(sizes) if i != buffer)
-    read = _sliced_params(called)
     return result + sum(read.get(i, size) for i, size in enumerate(sizes))
 
 

@@ -61,7 +61,7 @@ def newton_schulz(g: jax.Array, steps: int = 5, eps: float = 1e-7, dtype=jnp.flo
     and every sum its addend, so a GPU runs an iteration as three GEMMs and no elementwise pass
     (cuBLASLt's alpha and bias); the rounding is that of torch's `addmm` form (`b·A + c·A·A` in one
     GEMM). In bf16 XLA holds the two alphas as bf16 constants: b and c move by up to 0.4% in an
-    iteration (docs/training.md measures what that costs); `s` itself stays exact."""
+    iteration (docs/kernels.md measures what that costs); `s` itself stays exact."""
     a, b, c = NS_COEFFICIENTS
     wide = g.shape[-2] <= g.shape[-1]
     x = g if wide else jnp.swapaxes(g, -1, -2)
