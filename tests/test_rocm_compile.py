@@ -151,6 +151,50 @@ def test_every_kernel_compiles_to_amdgpu_code_at_zaya1_shapes_forward_and_backwa
     assert all(found == "True" for _, _, found, _ in cases), cases
 
 
+_VENDOR_GEMM = """
+import re, sys
+from zaya_jax.kernels import xla_flags
+flags = xla_flags.require({"moe_kernel": "hipblaslt"})  # before JAX starts, as `zaya train` does
+import jax, jax.numpy as jnp
+from zaya_jax import kernels
+from zaya_jax.explore import deviceless
+from zaya_jax.kernels.registry import device_target, targeting
+deviceless.use_cpu_host()
+[device] = deviceless.gpu_devices(deviceless.read_target(sys.argv[1]), 1, 1, sys.argv[1])
+on = jax.sharding.SingleDeviceSharding(device)
+args = (jax.ShapeDtypeStruct((16384, 2048), jnp.bfloat16, sharding=on),
+        jax.ShapeDtypeStruct((16, 2048, 2048), jnp.bfloat16, sharding=on),
+        jax.ShapeDtypeStruct((16,), jnp.int32, sharding=on))
+for backend in ("hipblaslt", "pallas"):
+    def loss(lhs, rhs, sizes):
+        out = kernels.grouped_matmul(lhs, rhs, sizes, preferred_element_type=jnp.float32, backend=backend)
+        return jnp.sum(out)
+    with targeting(device_target(device)):
+        hlo = jax.jit(jax.value_and_grad(loss, (0, 1))).trace(*args).lower().compile().as_text()
+    grouped = hlo.count('custom_call_target="__cublas$lt$groupedMatmul"')
+    # XLA's padded dense form multiplies [rows, experts x hidden]: a 32768-wide operand.
+    dense = len(re.findall(r"= bf16\\[16384,32768\\]", hlo))
+    print(f"GEMM {backend}|{grouped}|{dense}|{'triton' in hlo}", flush=True)
+print("FLAGS " + " ".join(flags))
+"""
+
+
+@pytest.mark.skipif(not os.path.exists(os.path.join(rocm_standin.setup_dir(), rocm_standin.PLUGIN_LIBRARY)),
+                    reason="no compile-only ROCm set-up here: python tools/rocm_compile_setup.py")
+def test_the_hipblaslt_experts_compile_to_hipblaslt_grouped_gemms_beside_the_pallas_kernel():
+    """`moe_kernel=hipblaslt` at ZAYA1's expert shape, forward and both gradients, compiled for an
+    MI300X: XLA emits hipBLASLt's grouped GEMM for all three (no padded dense GEMM over every
+    expert), while in the same process the Pallas backend is still our Triton kernel."""
+    run = subprocess.run([sys.executable, "-c", _VENDOR_GEMM, MI300X], capture_output=True, text=True, timeout=300,
+                         env={**os.environ, "JAX_PLATFORMS": "", "XLA_FLAGS": ""}, cwd=ROOT)
+    assert run.returncode == 0, run.stderr[-3000:]
+    rows = {line[5:].split("|")[0]: line[5:].split("|")[1:] for line in run.stdout.splitlines()
+            if line.startswith("GEMM ")}
+    assert rows == {"hipblaslt": ["3", "0", "False"], "pallas": ["0", "0", "True"]}, run.stdout
+    assert run.stdout.splitlines()[-1] == ("FLAGS --xla_gpu_experimental_use_ragged_dot_grouped_gemm=true "
+                                           "--xla_gpu_enable_cublaslt=true")
+
+
 @pytest.mark.parametrize("args, words", [
     (["--dir", "/proc/zaya/rocm"], "--dir /proc/zaya/rocm is not writable"),
     (["--dri", "/tmp/x"], "unrecognized arguments: --dri"),

@@ -29,6 +29,7 @@ from paths import ROOT, TINY
 BASE = os.path.join(ROOT, "experiments", "layouts", "base.py")
 CUDNN_FLAG = "--xla_gpu_experimental_use_ragged_dot_fusion=true"
 HIPBLASLT_FLAG = "--xla_gpu_experimental_use_ragged_dot_grouped_gemm=true"
+CUBLASLT_FLAG = "--xla_gpu_enable_cublaslt=true"  # XLA's rewriter takes the grouped GEMM only with it
 VENDOR = {"cuda": "cudnn", "rocm": "hipblaslt"}
 
 
@@ -58,7 +59,7 @@ def test_each_vendor_gemm_resolves_on_its_target_only_and_says_what_to_use_inste
 
 def test_the_flag_table_is_the_one_source_and_no_default_needs_a_flag():
     assert registry.XLA_FLAGS == {("grouped_matmul", "cudnn"): CUDNN_FLAG,
-                                  ("grouped_matmul", "hipblaslt"): HIPBLASLT_FLAG}
+                                  ("grouped_matmul", "hipblaslt"): f"{HIPBLASLT_FLAG} {CUBLASLT_FLAG}"}
     for kernel, backend in registry.XLA_FLAGS:
         assert backend in registry.BACKENDS[kernel] and (kernel, backend) in registry.VENDOR_BACKENDS
     assert not any((k, b) in registry.XLA_FLAGS for row in registry.DEFAULTS.values() for k, b in row.items())
@@ -95,6 +96,9 @@ def test_require_appends_once_before_jax_starts_and_refuses_after(monkeypatch):
     assert xla_flags.require({"moe_kernel": "cudnn"}, env) == [CUDNN_FLAG]  # already there: not again
     assert env["XLA_FLAGS"] == f"--xla_force_host_platform_device_count=2 {CUDNN_FLAG}"
     assert xla_flags.require({"moe_kernel": "pallas", "attention_kernel": "cudnn"}, env) == []
+    both = {"XLA_FLAGS": CUBLASLT_FLAG}
+    assert xla_flags.require({"moe_kernel": "hipblaslt"}, both) == [HIPBLASLT_FLAG, CUBLASLT_FLAG]
+    assert both["XLA_FLAGS"] == f"{CUBLASLT_FLAG} {HIPBLASLT_FLAG}"  # the one missing, once
     with pytest.raises(ZayaError, match=r"^model.moe_kernel=hipblaslt needs .*_grouped_gemm=true, but XLA_FLAGS "
                                         r"sets .*_grouped_gemm=false; remove that from XLA_FLAGS$"):
         xla_flags.require({"moe_kernel": "hipblaslt"}, {"XLA_FLAGS": HIPBLASLT_FLAG.replace("true", "false")})
@@ -179,9 +183,11 @@ def test_grouped_matmul_forward_and_backward_lower_to_ragged_dot_without_triton(
     text = gpu_lowering.lower(jax.value_and_grad(loss, (0, 1)), args, platform)
     assert not gpu_lowering.triton_calls(text)
     assert text.count('"chlo.ragged_dot"') == 3  # forward, input gradient, weight gradient
-    # All three GEMMs take bf16 operands (the vendor GEMMs take no fp32): the fp32 gradient is cast first.
-    operands = re.findall(r'"chlo\.ragged_dot".*: \(tensor<[^>]*x(\w+)>, tensor<[^>]*x(\w+)>', text)
-    assert operands == [("bf16", "bf16")] * 3, operands
+    # All three GEMMs take bf16 operands and write bf16: XLA hands a ragged_dot with any fp32 among
+    # them, its result included, to the padded dense form instead of the vendor's grouped GEMM.
+    types = re.findall(r'"chlo\.ragged_dot".*: \(tensor<[^>]*x(\w+)>, tensor<[^>]*x(\w+)>, [^)]*\) -> '
+                       r'tensor<[^>]*x(\w+)>', text)
+    assert types == [("bf16", "bf16", "bf16")] * 3, types
 
 
 def test_train_step_with_cudnn_experts_lowers_for_cuda_with_no_pallas_grouped_matmul(monkeypatch):

@@ -51,7 +51,7 @@ VENDOR_BACKENDS: dict[tuple[str, str], str] = {
     ("grouped_matmul", "hipblaslt"): "rocm",
 }
 
-# The XLA flag a backend needs: the one table of them (`kernels/xla_flags.py` sets them, the
+# The XLA flags a backend needs (space-separated): the one table of them (`kernels/xla_flags.py` sets them, the
 # training banner names them). The `cudnn` and `hipblaslt` grouped matmuls compute exactly what
 # `xla` does, through `jax.lax.ragged_dot`; what differs is how XLA's GPU compiler lowers that op.
 # By default it expands it to a zero-padded dense batched matmul; these flags make it emit cuDNN's
@@ -61,10 +61,12 @@ VENDOR_BACKENDS: dict[tuple[str, str], str] = {
 # XLA_FLAGS once, when JAX starts its backend, and it then holds for the whole process (every
 # ragged_dot, including those called with backend='xla'). So the flag is the backend, and it must be
 # in the environment before JAX starts; an unknown flag aborts the process, so every flag here is
-# one this jaxlib (0.10.2) knows.
+# one this jaxlib (0.10.2) knows. XLA's rewriter takes hipBLASLt's grouped GEMM only where the
+# cuBLASLt-named path is on as well (on ROCm it is hipBLASLt, for every GEMM of the program).
 XLA_FLAGS: dict[tuple[str, str], str] = {
     ("grouped_matmul", "cudnn"): "--xla_gpu_experimental_use_ragged_dot_fusion=true",
-    ("grouped_matmul", "hipblaslt"): "--xla_gpu_experimental_use_ragged_dot_grouped_gemm=true",
+    ("grouped_matmul", "hipblaslt"): "--xla_gpu_experimental_use_ragged_dot_grouped_gemm=true "
+                                     "--xla_gpu_enable_cublaslt=true",
 }
 
 # What a backend is, where its name alone does not say (the training banner).

@@ -57,11 +57,19 @@ def grouped_matmul(lhs, rhs, group_sizes, *, preferred_element_type=None):
 
 @jax.custom_vjp
 def vendor_grouped_matmul(lhs, rhs, group_sizes):
-    """`grouped_matmul` into fp32 for the `cudnn` / `hipblaslt` backends, whose backward GEMMs take
-    the operands' dtype: the fp32 cotangent is cast to it first (as the Pallas backward does), since
-    hipBLASLt's grouped GEMM takes only bf16/fp16 and a wider input would drop XLA back to the
-    padded dense form for the whole backward."""
-    return grouped_matmul(lhs, rhs, group_sizes, preferred_element_type=jnp.float32)
+    """`grouped_matmul` for the `cudnn` / `hipblaslt` backends, returned in fp32.
+
+    XLA hands a ragged_dot to the vendor's grouped GEMM only when its operands and its result are
+    all bf16 (or all fp16); any fp32 among them, the result included, and it falls back to the
+    padded dense form (`RaggedDotRewriter`). So each of the three GEMMs writes the operands' dtype
+    (accumulating in fp32 inside the GEMM) and is widened after, and the fp32 cotangent is cast to
+    the operands' dtype first, as the Pallas backward does."""
+    return _vendor_dot(lhs, rhs, group_sizes).astype(jnp.float32)
+
+
+def _vendor_dot(lhs, rhs, group_sizes):
+    out = jax.lax.ragged_dot(lhs, rhs, group_sizes, preferred_element_type=lhs.dtype)
+    return _zero_past_groups(out, group_sizes)
 
 
 def _vendor_fwd(lhs, rhs, group_sizes):
@@ -71,8 +79,8 @@ def _vendor_fwd(lhs, rhs, group_sizes):
 def _vendor_bwd(residuals, dout):
     lhs, rhs, group_sizes = residuals
     dout = dout.astype(lhs.dtype)
-    dlhs = grouped_matmul(dout, jnp.swapaxes(rhs, 1, 2), group_sizes, preferred_element_type=lhs.dtype)
-    drhs = grouped_matmul_transposed(lhs, dout, group_sizes, rhs.shape[0], preferred_element_type=rhs.dtype)
+    dlhs = _vendor_dot(dout, jnp.swapaxes(rhs, 1, 2), group_sizes)
+    drhs = _ragged_contraction(lhs, dout, group_sizes, rhs.dtype)
     return dlhs, drhs, None
 
 
@@ -82,14 +90,17 @@ vendor_grouped_matmul.defvjp(_vendor_fwd, _vendor_bwd)
 def grouped_matmul_transposed(lhs, dout, group_sizes, num_groups: int, *, preferred_element_type=None):
     """`reference.grouped_matmul_transposed` through `ragged_dot_general` (ragged contraction)."""
     del num_groups  # implied by group_sizes
-    out_dtype = preferred_element_type or lhs.dtype
+    out = _ragged_contraction(lhs, dout.astype(lhs.dtype), group_sizes, jnp.float32)
+    return out.astype(preferred_element_type or lhs.dtype)
+
+
+def _ragged_contraction(lhs, dout, group_sizes, out_dtype):
+    """[G, K, N]: each group's rows of lhs contracted with its rows of dout (`ragged_dot_general`)."""
     dims = jax.lax.RaggedDotDimensionNumbers(
         dot_dimension_numbers=(([0], [0]), ([], [])), lhs_ragged_dimensions=[0], rhs_group_dimensions=[])
     # Rows past the groups must not contribute: ragged_dot_general leaves them unspecified.
     lhs = _zero_past_groups(lhs, group_sizes)
-    out = jax.lax.ragged_dot_general(lhs, dout.astype(lhs.dtype), group_sizes, dims,
-                                     preferred_element_type=jnp.float32)
-    return out.astype(out_dtype)
+    return jax.lax.ragged_dot_general(lhs, dout, group_sizes, dims, preferred_element_type=out_dtype)
 
 
 @jax.custom_vjp

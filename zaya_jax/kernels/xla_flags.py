@@ -24,7 +24,7 @@ def backends_started() -> bool:
 
 
 def needed(kernels) -> list[tuple[str, str]]:
-    """(config field = backend, flag) for each configured backend that needs an XLA flag.
+    """(config field = backend, flag) for each XLA flag a configured backend needs.
 
     `kernels` is a ModelConfig or a mapping of its kernel fields ('moe_kernel': 'cudnn', ...).
     `auto` needs none: no target's default needs a flag.
@@ -33,8 +33,7 @@ def needed(kernels) -> list[tuple[str, str]]:
         kernels = {field: getattr(kernels, field) for field in KERNEL_FIELDS}
     out = []
     for field, backend in kernels.items():
-        flag = XLA_FLAGS.get((KERNEL_FIELDS[field], backend))
-        if flag:
+        for flag in XLA_FLAGS.get((KERNEL_FIELDS[field], backend), "").split():
             out.append((f"model.{field}={backend}", flag))
     return out
 
