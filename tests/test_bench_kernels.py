@@ -31,3 +31,38 @@ def test_bad_flags_are_one_line_errors(tmp_path, args, words):
                              "--out", str(tmp_path)], capture_output=True, text=True, timeout=120)
     assert result.returncode == 2
     assert result.stderr.strip().count("\n") == 0 and words in result.stderr
+
+
+_VENDOR_ROW = """
+import json, sys
+sys.path.insert(0, sys.argv[1])
+from zaya_jax.kernels import xla_flags
+xla_flags.require({"moe_kernel": "hipblaslt"})  # what --platform rocm does before JAX starts
+import bench_kernels
+from zaya_jax.kernels.registry import targeting
+with targeting("rocm"):  # on CPU the vendor backend is the same ragged_dot, so it runs here
+    cases = bench_kernels.grouped_matmul_cases(bench_kernels.SIZES["small"])
+    [vendor] = [c for c in cases if c.backend == "hipblaslt"]
+    rows = bench_kernels.measure(vendor, 1)
+print(json.dumps([c.backend for c in cases]) + " " + json.dumps(rows[0]["pass"]))
+"""
+
+
+def test_the_vendor_grouped_gemm_is_timed_where_its_flags_were_set_before_jax_started():
+    result = subprocess.run([sys.executable, "-c", _VENDOR_ROW, os.path.join(ROOT, "tools")], capture_output=True,
+                            text=True, timeout=300, env={**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": ""},
+                            cwd=ROOT)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.strip().splitlines()[-1] == '["xla", "pallas", "tiled", "hipblaslt", "dense"] "fwd"'
+
+
+def test_without_its_flags_at_the_start_the_vendor_grouped_gemm_is_left_out():
+    import jax
+
+    sys.path.insert(0, os.path.join(ROOT, "tools"))
+    import bench_kernels
+    from zaya_jax.kernels.registry import targeting
+
+    jax.devices()  # started, without the hipBLASLt flags: XLA would not read them now
+    with targeting("rocm"):
+        assert bench_kernels.vendor_gemm() == ()

@@ -7,17 +7,23 @@ runs after a warm-up), and reports TFLOP/s, GB/s, the fraction of the device's p
 * attention (B 4 × S 4096 = 16K tokens, nq 8, nk 2, d 128, bf16, causal): pallas vs xla and, on
   NVIDIA, vs cudnn; all again with packed documents (segment ids; cuDNN's as a mask);
 * grouped matmul (16K tokens routed top-1 over 16 experts, hidden 2048 → expert width 2048,
-  bf16): pallas vs xla's ragged_dot, and vs one dense [16K, 2048] × [2048, 2048] matmul with
+  bf16): pallas vs xla's ragged_dot, the vendor's grouped GEMM (`cudnn` on NVIDIA, `hipblaslt`
+  on AMD) where `--platform` names the GPU, and one dense [16K, 2048] × [2048, 2048] matmul with
   the same FLOPs;
 * RMSNorm (16K × 2048, fp32 in, bf16 out): pallas vs xla;
 * Muon's Newton–Schulz (one pass of 64 [2048 × 2048] expert matrices, five iterations): its
   products in bfloat16 (the GPU default) vs float32 (TF32 on NVIDIA); forward only, it has no backward.
 
+The vendor grouped GEMM is picked by XLA flags read once, when JAX starts (`registry.XLA_FLAGS`),
+so it is timed only where `--platform cuda|rocm` (or JAX_PLATFORMS) says the GPU before the
+start; they hold for the whole run: on AMD they put every GEMM of it on hipBLASLt, the dense
+baseline's and Newton–Schulz's included, as a `hipblaslt` training run would.
+
 Absolute times mean something only on a GPU. On CPU the Pallas kernels run in the interpreter;
 use `--size small` there to check the tool end to end. A backend that fails to compile is
 reported with its error instead of stopping the run.
 
-    python tools/bench_kernels.py [--size zaya1|small] [--iters 20] [--out benchmarks]
+    python tools/bench_kernels.py [--size zaya1|small] [--iters 20] [--platform cuda|rocm|cpu] [--out benchmarks]
 """
 
 from __future__ import annotations
@@ -41,6 +47,14 @@ SIZES = {
     "small": dict(batch=1, seq=128, nq=8, nk=2, head_dim=128, tokens=256, experts=16, hidden=128, width=128,
                   matrices=4),
 }
+
+
+VENDOR_GEMM = {"cuda": "cudnn", "rocm": "hipblaslt"}  # each GPU vendor's grouped GEMM backend
+
+
+def _platform_from_env() -> str | None:
+    named = os.environ.get("JAX_PLATFORMS", "").strip().lower()
+    return named if named in ("cuda", "rocm", "cpu") else None
 
 
 @dataclasses.dataclass
@@ -95,7 +109,8 @@ def grouped_matmul_cases(s: dict) -> list[Case]:
     nbytes = 2 * (m * h + e * h * w + m * w)
     cases = []
     # `tiled` is the CPU's default experts backend: timed there, so a CPU report calibrates it too.
-    for backend in ("xla", "pallas") + (("tiled",) if jax.devices()[0].platform == "cpu" else ()):
+    backends = ("xla", "pallas") + (("tiled",) if jax.devices()[0].platform == "cpu" else ())
+    for backend in backends + vendor_gemm():
         def fn(lhs, rhs, backend=backend):
             return kernels.grouped_matmul(lhs, rhs, sizes, backend=backend)
         cases.append(Case("grouped_matmul", "top-1, 16 experts", backend, fn, (lhs, rhs), (0, 1), flops, nbytes, 2.0,
@@ -104,6 +119,19 @@ def grouped_matmul_cases(s: dict) -> list[Case]:
     cases.append(Case("grouped_matmul", "top-1, 16 experts", "dense", lambda lhs, rhs: lhs @ rhs, (lhs, dense),
                       (0, 1), flops, 2 * (m * h + h * w + m * w), 2.0, "dense"))
     return cases
+
+
+def vendor_gemm() -> tuple[str, ...]:
+    """The target's vendor grouped matmul backend, where its XLA flags were set before JAX started."""
+    from zaya_jax.errors import ZayaError
+    from zaya_jax.kernels import xla_flags
+    from zaya_jax.kernels.registry import gpu_vendor
+
+    backend = VENDOR_GEMM.get(gpu_vendor())
+    try:
+        return (backend,) if backend and xla_flags.require({"moe_kernel": backend}) else ()
+    except ZayaError:  # JAX started without them (no --platform): XLA would not read them now
+        return ()
 
 
 def rms_norm_cases(s: dict) -> list[Case]:
@@ -217,7 +245,17 @@ def main(argv=None) -> int:
                         help="comma-separated subset of attention,grouped_matmul,rms_norm,newton_schulz")
     parser.add_argument("--out", default=os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
                                                       "benchmarks"), help="directory for the JSON and Markdown")
+    parser.add_argument("--platform", choices=("cuda", "rocm", "cpu"), default=_platform_from_env(),
+                        help="the JAX platform, named so that the vendor grouped GEMM's XLA flags are set before "
+                             "JAX starts (default: JAX_PLATFORMS when it names one, else what JAX finds, "
+                             "without the vendor GEMM)")
     args = parser.parse_args(argv)
+    if args.platform:
+        from zaya_jax.kernels import xla_flags
+
+        os.environ["JAX_PLATFORMS"] = args.platform
+        if args.platform in VENDOR_GEMM:
+            xla_flags.require({"moe_kernel": VENDOR_GEMM[args.platform]})
     builders = {"attention": attention_cases, "grouped_matmul": grouped_matmul_cases, "rms_norm": rms_norm_cases,
                 "newton_schulz": newton_schulz_cases}
     chosen = [k.strip() for k in args.kernels.split(",") if k.strip()]
@@ -245,7 +283,7 @@ def main(argv=None) -> int:
     result = {"device_kind": device.device_kind, "platform": device.platform, "jax": jax.__version__,
               "size": args.size, "shapes": SIZES[args.size], "iters": args.iters,
               "profile": profile.name if profile else None, "peak_bf16_tflops": peak_tflops,
-              "peak_hbm_tb_per_s": peak_tbps, "note": note, "rows": rows}
+              "peak_hbm_tb_per_s": peak_tbps, "note": note, "xla_flags": os.environ.get("XLA_FLAGS", ""), "rows": rows}
     slug = re.sub(r"[^a-z0-9]+", "_", device.device_kind.lower()).strip("_")
     os.makedirs(args.out, exist_ok=True)
     stem = os.path.join(args.out, f"kernels_{args.size}_{slug}")
