@@ -8,6 +8,7 @@ import sys
 
 import pytest
 from paths import ROOT, load_script
+from zaya_jax.explore import rocm_standin
 
 
 
@@ -27,6 +28,11 @@ gpu_wheels = load_script("tools", "gpu_wheels")
     (["--config.train.steps"], "has no value"),
     (["--micro-batches=0"], "--micro-batches must be >= 1"),
     (["--batch=4", "--micro-batches=3"], "--batch 4 must be a multiple of --micro-batches 3"),
+    (["--gpu-target=nowhere.txtpb"], "--gpu-target nowhere.txtpb: no such file"),
+    ([f"--gpu-target={ROOT}/benchmarks/gpu_targets/mi300x.txtpb", "--parts=step,profile"],
+     "--gpu-target compiles and runs nothing; --parts profile needs the GPU"),
+    ([f"--gpu-target={ROOT}/benchmarks/gpu_targets/mi300x.txtpb", "--platform=rocm"],
+     "--gpu-target names the GPU; leave out --platform and --allow-cpu"),
 ])
 def test_bad_arguments_are_one_line_and_exit_2(capsys, tmp_path, args, words):
     assert gpu_check.main(args + [f"--out-dir={tmp_path}"]) == 2
@@ -204,3 +210,35 @@ def test_wheel_versions_for_the_boxs_jax_and_pins(tmp_path, capsys):
     err = capsys.readouterr().err.splitlines()
     assert len(err) == 2 and "notcarried is not among the carried wheels" in err[0], err
     assert err[1] == "gpu_wheels: error: --pin takes NAME==VERSION, got 'flax'"
+
+
+def test_a_dry_run_for_an_amd_gpu_without_the_set_up_is_one_line_naming_the_command(tmp_path):
+    result = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "gpu_check.py"),
+                             "--gpu-target=benchmarks/gpu_targets/mi300x.txtpb", f"--out-dir={tmp_path}"],
+                            capture_output=True, text=True, timeout=120, cwd=ROOT,
+                            env={**os.environ, "ZAYA_ROCM_COMPILE_DIR": str(tmp_path / "none")})
+    assert result.returncode == 2, result.stderr
+    err = result.stderr
+    assert err.startswith("gpu_check: error: ") and err.count("\n") == 1 and "rocm_compile_setup.py" in err, err
+    assert not list(tmp_path.iterdir())
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not os.path.exists(os.path.join(rocm_standin.setup_dir(), rocm_standin.PLUGIN_LIBRARY)),
+                    reason="no compile-only ROCm set-up here: python tools/rocm_compile_setup.py")
+def test_a_dry_run_compiles_the_step_and_every_kernel_case_for_an_mi300x(tmp_path):
+    """What an MI300X run would time, compiled here: the step (two layers) with XLA's peak against
+    the target's HBM, and every kernel benchmark case with hipBLASLt's grouped GEMM among them."""
+    import json
+
+    result = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "gpu_check.py"), "--layers=2",
+                             "--gpu-target=benchmarks/gpu_targets/mi300x.txtpb", f"--out-dir={tmp_path}"],
+                            capture_output=True, text=True, timeout=900, cwd=ROOT)
+    assert result.returncode == 0, result.stdout[-3000:]
+    report = json.loads((tmp_path / "gpu_mi300x_dry_run.json").read_text())
+    step, bench = report["parts"]["step"], report["parts"]["bench"]
+    assert (step["status"], step["layers"], step["limit_bytes"]) == ("ok", 2, 206141652992)
+    assert 0 < step["peak_bytes"] < step["limit_bytes"] and step["kernels"]["grouped_matmul"] == "pallas"
+    assert bench["status"] == "ok" and all("compiled_s" in r for r in bench["rows"])
+    assert {("grouped_matmul", "hipblaslt", p) for p in ("fwd", "fwd+bwd")} <= \
+        {(r["kernel"], r["backend"], r["pass"]) for r in bench["rows"]}

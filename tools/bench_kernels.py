@@ -24,6 +24,11 @@ use `--size small` there to check the tool end to end. A backend that fails to c
 reported with its error instead of stopping the run.
 
     python tools/bench_kernels.py [--size zaya1|small] [--iters 20] [--platform cuda|rocm|cpu] [--out benchmarks]
+    python tools/bench_kernels.py --gpu-target benchmarks/gpu_targets/mi300x.txtpb   # compile every case, run none
+
+`--gpu-target FILE` is the dry run (`tools/gpu_dry_run.py`): every case compiled, forward and
+forward+backward, for the GPU an XLA target config describes, on this machine without it, the
+vendor grouped GEMM with its flags; `kernels_<size>_<device>_compiled.json` says what compiled.
 """
 
 from __future__ import annotations
@@ -109,7 +114,9 @@ def grouped_matmul_cases(s: dict) -> list[Case]:
     nbytes = 2 * (m * h + e * h * w + m * w)
     cases = []
     # `tiled` is the CPU's default experts backend: timed there, so a CPU report calibrates it too.
-    backends = ("xla", "pallas") + (("tiled",) if jax.devices()[0].platform == "cpu" else ())
+    from zaya_jax.kernels.registry import platform
+
+    backends = ("xla", "pallas") + (("tiled",) if platform() == "cpu" else ())
     for backend in backends + vendor_gemm():
         def fn(lhs, rhs, backend=backend):
             return kernels.grouped_matmul(lhs, rhs, sizes, backend=backend)
@@ -165,6 +172,10 @@ def newton_schulz_cases(s: dict) -> list[Case]:
         cases.append(Case("newton_schulz", f"{count} × {m}×{n}", backend, fn, (x,), (), flops, nbytes, 0.0,
                           "float32", backward=False))
     return cases
+
+
+BUILDERS = {"attention": attention_cases, "grouped_matmul": grouped_matmul_cases, "rms_norm": rms_norm_cases,
+            "newton_schulz": newton_schulz_cases}
 
 
 def median_seconds(fn: Callable, args: tuple, iters: int) -> float:
@@ -249,21 +260,22 @@ def main(argv=None) -> int:
                         help="the JAX platform, named so that the vendor grouped GEMM's XLA flags are set before "
                              "JAX starts (default: JAX_PLATFORMS when it names one, else what JAX finds, "
                              "without the vendor GEMM)")
+    parser.add_argument("--gpu-target", metavar="FILE", help="compile every case for this XLA GPU target, run none")
     args = parser.parse_args(argv)
-    if args.platform:
+    if args.platform and not args.gpu_target:
         from zaya_jax.kernels import xla_flags
 
         os.environ["JAX_PLATFORMS"] = args.platform
         if args.platform in VENDOR_GEMM:
             xla_flags.require({"moe_kernel": VENDOR_GEMM[args.platform]})
-    builders = {"attention": attention_cases, "grouped_matmul": grouped_matmul_cases, "rms_norm": rms_norm_cases,
-                "newton_schulz": newton_schulz_cases}
     chosen = [k.strip() for k in args.kernels.split(",") if k.strip()]
-    unknown = sorted(set(chosen) - set(builders))
+    unknown = sorted(set(chosen) - set(BUILDERS))
     if unknown or args.iters < 1:
-        print(f"error: unknown kernel(s) {unknown} (choose from {sorted(builders)})" if unknown
+        print(f"error: unknown kernel(s) {unknown} (choose from {sorted(BUILDERS)})" if unknown
               else "error: --iters must be >= 1", file=sys.stderr)
         return 2
+    if args.gpu_target:
+        return compile_only(args, chosen)
 
     from zaya_jax.hardware import detect
     from zaya_jax.kernels.registry import platform
@@ -272,7 +284,7 @@ def main(argv=None) -> int:
     profile = detect(device)
     rows = []
     for name in chosen:
-        for case in builders[name](SIZES[args.size]):
+        for case in BUILDERS[name](SIZES[args.size]):
             print(f"{case.kernel:15s} {case.variant:18s} {case.backend:7s} ...", flush=True)
             rows.extend(measure(case, args.iters))
     peak_tflops = profile.peak_bf16_tflops if profile and not profile.nominal else None
@@ -294,6 +306,33 @@ def main(argv=None) -> int:
         f.write(table)
     print(table)
     print(f"wrote {stem}.json and {stem}.md")
+    return 0
+
+
+def compile_only(args, chosen: list[str]) -> int:
+    """--gpu-target: every chosen case compiled for the target's device; the rows written as JSON."""
+    import gpu_dry_run
+    from zaya_jax.errors import ZayaError
+    from zaya_jax.kernels.registry import device_target, targeting
+
+    try:
+        flags = gpu_dry_run.set_vendor_flags(args.gpu_target)  # before JAX starts
+        [device] = gpu_dry_run.devices(args.gpu_target)
+    except ZayaError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    rows = []
+    with targeting(device_target(device)):
+        for name in [k.strip() for k in args.kernels.split(",") if k.strip()]:
+            rows += gpu_dry_run.compile_cases(BUILDERS[name](SIZES[args.size]), device, forward_backward)
+    slug = re.sub(r"[^a-z0-9]+", "_", device.device_kind.lower()).strip("_")
+    os.makedirs(args.out, exist_ok=True)
+    path = os.path.join(args.out, f"kernels_{args.size}_{slug}_compiled.json")
+    with open(path, "w") as f:
+        json.dump({"device_kind": device.device_kind, "gpu_target": args.gpu_target, "jax": jax.__version__,
+                   "size": args.size, "xla_flags": " ".join(flags), "rows": rows}, f, indent=2)
+    failed = [r for r in rows if "error" in r]
+    print(f"{len(rows) - len(failed)} of {len(rows)} compiled; wrote {path}")
     return 0
 
 

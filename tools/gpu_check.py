@@ -3,6 +3,7 @@
     python tools/gpu_check.py [--parts step,bench,profile[,tests]] [--budget-s 540] [--out-dir benchmarks]
         [--layers N] [--seq-len 4096] [--batch 4] [--micro-batches M] [--steps 5] [--platform cuda|rocm|cpu]
         [--allow-cpu] [--config.KEY=VALUE ...]
+    python tools/gpu_check.py --gpu-target benchmarks/gpu_targets/mi300x.txtpb   # the dry run, no GPU
 
 Owns the time budget, the train-step timing and the report; it owns no kernels, tests or model
 code. Each part runs in its own subprocess with its own share of what is left of `--budget-s`,
@@ -29,6 +30,12 @@ memory to itself:
 * `tests` (only when asked): `python -m pytest -q tests/test_kernels_*.py` with JAX_PLATFORMS set
   to the GPU platform (up to 8 pytest-xdist workers where it is installed): pass/fail counts and
   one line per failure.
+
+`--gpu-target FILE` is the dry run (`tools/gpu_dry_run.py`), for a GPU this machine does not have
+(an XLA target config; AMD ones through `tools/rocm_compile_setup.py`): the step is compiled, not
+timed (XLA's peak against the target's HBM, stepping down as an out-of-memory would), and every
+kernel benchmark case is compiled, the vendor grouped GEMM with its flags; the report is
+`gpu_<device>_dry_run`, never a real run's.
 
 It writes `OUT_DIR/gpu_<device>.json` and `.md` (device: `h100`, `mi300x`, ... from
 `hardware.py`, else a slug of the device kind) after every part. Bad input is one line
@@ -60,6 +67,7 @@ if ROOT not in sys.path:
 # three H200 runs, and the suite belongs on a machine of its own.
 PARTS = ("step", "bench", "profile", "tests")
 DEFAULT_PARTS = ("step", "bench", "profile")
+DRY_RUN_PARTS = ("step", "bench")  # what --gpu-target compiles; the profile and the tests need the GPU
 SHARES = {"step": 0.45, "bench": 0.30, "profile": 0.25, "tests": 0.30}  # of the budget left when the part starts
 PROFILE_LAYERS = 4  # few layers compile fast; the step's per-layer parts scale with them
 EXPERIMENT = os.path.join(ROOT, "experiments", "zaya1_base_phase1.py")
@@ -96,6 +104,9 @@ def parse_args(argv):
     p.add_argument("--steps", type=int, default=5, help="timed steps after the first (default 5)")
     p.add_argument("--platform", choices=PLATFORMS, help="JAX platform (default: what JAX finds)")
     p.add_argument("--allow-cpu", action="store_true", help="run on CPU (checks the tool, not a GPU)")
+    p.add_argument("--gpu-target", metavar="FILE", help="dry run: compile the step and the kernel benchmark for "
+                   "the GPU this XLA target config describes, here, without it (e.g. "
+                   "benchmarks/gpu_targets/mi300x.txtpb); nothing runs")
     p.add_argument("--worker", choices=("step",), help=argparse.SUPPRESS)
     p.add_argument("--deadline", type=float, help=argparse.SUPPRESS)  # the worker's, in time.time() seconds
     args, extra = p.parse_known_args(argv)
@@ -116,6 +127,18 @@ def check_args(args) -> list[str]:
     if unknown or not parts:
         what = f"unknown part {unknown[0]!r}" if unknown else "no part given"
         raise UsageError(f"--parts: {what} (choose from {','.join(PARTS)})")
+    if args.gpu_target:
+        needs_gpu = [x for x in parts if x in ("profile", "tests")]
+        if args.parts == ",".join(DEFAULT_PARTS):
+            parts = list(DRY_RUN_PARTS)
+        elif needs_gpu:
+            raise UsageError(f"--gpu-target compiles and runs nothing; --parts {needs_gpu[0]} needs the GPU "
+                             f"(a dry run has {','.join(DRY_RUN_PARTS)})")
+        if args.platform or args.allow_cpu:
+            raise UsageError("--gpu-target names the GPU; leave out --platform and --allow-cpu")
+        if not os.path.isfile(args.gpu_target):
+            raise UsageError(f"--gpu-target {args.gpu_target}: no such file (an XLA GPU target config, e.g. "
+                             "benchmarks/gpu_targets/mi300x.txtpb)")
     if args.budget_s < 60:
         raise UsageError(f"--budget-s must be at least 60 (got {args.budget_s:g}): the parts need time to compile")
     for name in ("layers", "seq_len", "batch", "steps", "micro_batches"):
@@ -219,6 +242,22 @@ def probe(platform: str | None, allow_cpu: bool) -> dict:
     return found
 
 
+def dry_run_probe(path: str) -> dict:
+    """The compile-only device of --gpu-target, from a subprocess (`tools/gpu_dry_run.py`)."""
+    import gpu_dry_run
+
+    code = gpu_dry_run.PROBE % (os.path.join(ROOT, "tools"), RESULT_TAG)
+    run = run_child([sys.executable, "-c", code, path], child_env("cpu"), 300)
+    try:
+        found = gpu_dry_run.probe_result(run["lines"], RESULT_TAG)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+    if found is None:
+        raise UsageError(f"--gpu-target {path}: no compile-only device ({last_words(run['lines'])})")
+    found["slug"] = device_slug(found["device_kind"], found["target"]) + "_dry_run"  # never a real run's report
+    return found
+
+
 def device_slug(kind: str, target: str) -> str:
     """'h100', 'mi300x', ... for known devices (hardware.py), else the device kind in lower_snake_case."""
     if target == "cpu":
@@ -268,10 +307,11 @@ def pytest_counts(lines: list[str]) -> dict:
 def run_bench(ctx: dict, budget: float) -> dict:
     size = "small" if ctx["target"] == "cpu" else "zaya1"
     # Named, the platform lets the kernel benchmark set the vendor grouped GEMM's XLA flags before JAX starts.
+    where = ["--gpu-target", ctx["gpu_target"]] if ctx["gpu_target"] else ["--platform", ctx["target"]]
     cmd = [sys.executable, os.path.join(ROOT, "tools", "bench_kernels.py"), "--size", size, "--iters", "10",
-           "--platform", ctx["target"], "--out", ctx["out_dir"]]
-    run = run_child(cmd, child_env(ctx["target"]), budget, echo=lambda x: x.endswith("..."))
-    stem = re.sub(r"[^a-z0-9]+", "_", ctx["device_kind"].lower()).strip("_")
+           *where, "--out", ctx["out_dir"]]
+    run = run_child(cmd, child_env(ctx["jax_platform"]), budget, echo=lambda x: x.endswith("...") or "compiled" in x)
+    stem = re.sub(r"[^a-z0-9]+", "_", ctx["device_kind"].lower()).strip("_") + ("_compiled" if ctx["gpu_target"] else "")
     path = os.path.join(ctx["out_dir"], f"kernels_{size}_{stem}.json")
     out = {"seconds": run["seconds"], "size": size}
     failed = json_part_failure(run, budget, path)
@@ -326,14 +366,15 @@ def run_step(ctx: dict, budget: float) -> dict:
     """The step worker in a subprocess; without --layers, fewer layers after each out-of-memory."""
     args, deadline, attempts = ctx["args"], time.monotonic() + budget, []
     layers = args.layers or 0  # 0: the worker picks from its memory estimate
-    env = child_env(ctx["target"], XLA_PYTHON_CLIENT_MEM_FRACTION=os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION",
+    env = child_env(ctx["jax_platform"], XLA_PYTHON_CLIENT_MEM_FRACTION=os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION",
                                                                                     "0.92"))
     while True:
         left = deadline - time.monotonic()
         cmd = [sys.executable, os.path.abspath(__file__), "--worker=step", f"--layers={layers}",
                f"--seq-len={args.seq_len}", f"--batch={args.batch}", f"--steps={args.steps}",
                *([f"--micro-batches={args.micro_batches}"] if args.micro_batches else []),
-               f"--deadline={time.time() + left - 5:.1f}", *args.overrides]
+               f"--deadline={time.time() + left - 5:.1f}",
+               *([f"--gpu-target={args.gpu_target}"] if args.gpu_target else []), *args.overrides]
         run = run_child(cmd, env, left, echo=lambda x: x.startswith("gpu_check: step"))
         res = tagged_result(run["lines"]) or {}
         if run["timed_out"]:
@@ -440,6 +481,8 @@ def step_worker(args) -> int:
         # Loaded before JAX starts: a kernel backend that needs an XLA flag (moe_kernel=cudnn) sets it
         # here, as `zaya train` does, while XLA will still read it.
         load_experiment(EXPERIMENT, step_overrides(layers or 1, args.seq_len, args.batch, args.micro_batches) + args.overrides)
+        if args.gpu_target:
+            return emit(dry_run_step(args, layers))
         import jax
         device = jax.devices()[0]
         limit = memory_limit(device)
@@ -454,6 +497,19 @@ def step_worker(args) -> int:
         status = "oom" if is_oom(e) else "error"
         return emit({"status": status, "layers": layers, "limit_bytes": limit,
                      "error": f"{type(e).__name__}: {str(e).strip().splitlines()[0][:240] if str(e).strip() else ''}"})
+
+
+def dry_run_step(args, layers: int | None) -> dict:
+    """The step compiled for --gpu-target instead of timed; without --layers, as many as fit by estimate."""
+    import gpu_dry_run
+
+    gpu_dry_run.devices(args.gpu_target)  # JAX on the CPU, the target's compiler registered
+    limit = gpu_dry_run.target_memory(open(args.gpu_target, encoding="utf-8").read())
+    if not layers:
+        layers = fit_layers(args, limit)
+        say(f"{layers} layers fit 85% of {limit / GIB:.1f} GiB by estimate")
+    overrides = step_overrides(layers, args.seq_len, args.batch, args.micro_batches) + args.overrides
+    return gpu_dry_run.step_compile(args, layers, EXPERIMENT, overrides)
 
 
 def time_step(args, layers: int, device, limit: int, deadline: float) -> dict:
@@ -569,6 +625,8 @@ def part_line(name: str, part: dict) -> str:
     if name == "tests":
         counts = ", ".join(f"{part[k]} {k}" for k in ("passed", "failed", "errors", "skipped") if part.get(k))
         return counts or part.get("summary", "")
+    if name == "bench" and "rows" in part and all("compiled_s" in r or "error" in r for r in part["rows"]):
+        return f"{len(part['rows'])} kernels compiled ({part['size']} shapes, nothing run): {part.get('json', '')}"
     if name == "bench" and "rows" in part:
         return f"{len(part['rows'])} measurements ({part['size']} shapes): {part.get('json', '')}"
     if name == "profile" and "rows" in part:
@@ -577,6 +635,9 @@ def part_line(name: str, part: dict) -> str:
             kinds[row["kind"]] += row["ms_per_step"]
         return (f"{part['layers']} layers, {1e3 * part['step_s']:.0f} ms a step: "
                 + ", ".join(f"{k} {v:.0f} ms" for k, v in kinds.most_common()) + f" ({part.get('json', '')})")
+    if name == "step" and part.get("dry_run") and part["status"] == "ok":
+        import gpu_dry_run
+        return gpu_dry_run.report_line(part)
     if name == "step" and "tokens_per_s" in part:
         mfu = f"MFU {100 * part['mfu']:.1f}%" + (" (nominal CPU peak)" if part.get("nominal_peak") else "") \
             if part.get("mfu") is not None else "MFU – (unknown device)"
@@ -647,6 +708,9 @@ def bench_section(bench: dict) -> list[str]:
              "|---|---|---|---|---:|---:|---:|---:|"]
     for r in rows:
         head = f"| {r['kernel']} | {r['variant']} | {r['backend']} | {r['pass']} |"
+        if "compiled_s" in r:
+            lines.append(f"{head} compiled in {r['compiled_s']:.1f} s (dry run) | | | |")
+            continue
         if "seconds" not in r:
             lines.append(f"{head} failed: {r.get('error', '')[:120].replace('|', '/')} | | | |")
             continue
@@ -681,15 +745,20 @@ def main(argv=None) -> int:
         if args.worker == "step":
             return step_worker(args)
         parts = check_args(args)
-        print(f"gpu_check: starting JAX ({args.platform or 'its own platform choice'})", flush=True)
-        device = probe(args.platform, args.allow_cpu)
+        if args.gpu_target:
+            print(f"gpu_check: dry run, compiling for {args.gpu_target} without the GPU", flush=True)
+            device = dry_run_probe(args.gpu_target)
+        else:
+            print(f"gpu_check: starting JAX ({args.platform or 'its own platform choice'})", flush=True)
+            device = probe(args.platform, args.allow_cpu)
     except UsageError as e:
         print(f"gpu_check: error: {e}", file=sys.stderr)
         return 2
     print(f"gpu_check: {device['device_kind']} ({device['target']}), jax {device['jax']}; parts {','.join(parts)}, "
           f"budget {args.budget_s:.0f} s", flush=True)
     ctx = {"args": args, "target": device["target"], "device_kind": device["device_kind"], "slug": device["slug"],
-           "out_dir": args.out_dir}
+           "out_dir": args.out_dir, "gpu_target": args.gpu_target,
+           "jax_platform": "cpu" if args.gpu_target else device["target"]}  # a dry run's JAX stays on the CPU
     result = {"tool": "tools/gpu_check.py", "started": started, "budget_s": args.budget_s,
               "jax": device.pop("jax"), "jaxlib": device.pop("jaxlib"), "python": device.pop("python"),
               "device": device, "parts": {p: {"status": "skipped"} for p in PARTS}, "total_s": 0.0}
