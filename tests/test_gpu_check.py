@@ -242,3 +242,12 @@ def test_a_dry_run_compiles_the_step_and_every_kernel_case_for_an_mi300x(tmp_pat
     assert bench["status"] == "ok" and all("compiled_s" in r for r in bench["rows"])
     assert {("grouped_matmul", "hipblaslt", p) for p in ("fwd", "fwd+bwd")} <= \
         {(r["kernel"], r["backend"], r["pass"]) for r in bench["rows"]}
+
+
+def test_the_jax_plugin_wheels_are_carried_at_the_boxs_jax_version_unless_the_box_has_them(tmp_path):
+    plan, _ = gpu_wheels.make_plan(box_jax="0.11.2", plugin="rocm")
+    assert dict(plan)["jax-rocm7-plugin"] == dict(plan)["jax-rocm7-pjrt"] == "0.11.2"
+    assert "jax-rocm7-plugin" not in dict(gpu_wheels.make_plan(box_jax="0.11.2")[0])
+    (tmp_path / "freeze.txt").write_text("jax==0.11.2\njax-rocm7-plugin==0.11.2\njax-rocm7-pjrt==0.10.2\n")
+    plan, skipped = gpu_wheels.make_plan(str(tmp_path / "freeze.txt"), plugin="rocm")
+    assert skipped["jax-rocm7-plugin"] == "on the box (0.11.2)" and dict(plan)["jax-rocm7-pjrt"] == "0.11.2"

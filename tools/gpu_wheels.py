@@ -11,7 +11,11 @@ lazily, for Parquet sources: `zaya_jax/data/sources.py`) and huggingface-hub (to
 only for `Tokenizer.from_pretrained`; zaya reads tokenizer.json from a path).
 
     python tools/gpu_wheels.py [--dest .whl] [--dry-run] [--box-freeze FILE] [--box-jax VERSION]
-        [--pin NAME==VERSION ...]
+        [--jax-plugin rocm|cuda12] [--pin NAME==VERSION ...]
+
+`--jax-plugin` also carries JAX's GPU plugin (`jax-rocm7-plugin` and `jax-rocm7-pjrt` for AMD,
+the cuda12 pair for NVIDIA) at the box's jax version, for an image with JAX but not its plugin
+(a ROCm PyTorch image, say); a box whose freeze lists them at that version keeps its own.
 
 `--box-freeze` takes `python3 -m pip list --format=freeze` from the box: a dependency the box
 already has at a version that meets the requirement is then not carried (the roots always are).
@@ -55,6 +59,8 @@ NOT_NEEDED = {
 # lacks, so it fails at `from flax import nnx` on such a box; flax 0.12.11 runs there (an H200
 # with jax 0.11.2, 2026-11-26). `--pin` overrides any of these.
 FOR_BOX_JAX = {"0.11": {"flax": "0.12.11"}}
+# JAX's GPU plugin, a pair of wheels versioned as jax itself: `--jax-plugin` carries them.
+PLUGINS = {"rocm": ("jax-rocm7-plugin", "jax-rocm7-pjrt"), "cuda12": ("jax-cuda12-plugin", "jax-cuda12-pjrt")}
 TARGET_ENV = {"python_version": "3.12", "python_full_version": "3.12.3", "sys_platform": "linux",
               "platform_system": "Linux", "platform_machine": "x86_64", "os_name": "posix",
               "implementation_name": "cpython", "platform_python_implementation": "CPython"}
@@ -155,12 +161,13 @@ def installed(name: str) -> tuple[str | None, list[str]]:
     return dist.version, list(dist.requires or [])
 
 
-def make_plan(box_freeze: str | None = None, box_jax: str | None = None,
-              pins: Iterable[str] = ()) -> tuple[list[tuple[str, str | None]], dict[str, str]]:
+def make_plan(box_freeze: str | None = None, box_jax: str | None = None, pins: Iterable[str] = (),
+              plugin: str | None = None) -> tuple[list[tuple[str, str | None]], dict[str, str]]:
     """([(name, pinned version or None)], {skipped: why}) for this environment.
 
     Versions are this environment's, except where the box's JAX (`box_jax`, else the jax of
     `box_freeze`) needs others (`FOR_BOX_JAX`) and where `pins` ("name==version") say otherwise.
+    `plugin` ('rocm', 'cuda12') adds JAX's plugin wheels at the box's jax version.
     """
     box: dict[str, str | None] = dict.fromkeys(ON_BOX)
     if box_freeze:
@@ -168,6 +175,13 @@ def make_plan(box_freeze: str | None = None, box_jax: str | None = None,
     carried, skipped = closure(ROOTS, lambda n: installed(n)[1], box_skip(box))
     versions = {name: installed(name)[0] for name in carried}
     versions.update(jax_pins(box_jax or box.get("jax")))
+    if plugin:
+        jax_version = box_jax or box.get("jax") or installed("jax")[0]
+        for name in PLUGINS[plugin]:
+            if box_freeze and box.get(name) == jax_version:
+                skipped[name] = f"on the box ({jax_version})"
+            else:
+                versions[name] = jax_version
     for name, version in map(parse_pin, pins):
         if name not in versions:
             raise UsageError(f"--pin {name}=={version}: {name} is not among the carried wheels "
@@ -267,6 +281,8 @@ def parse_args(argv):
     parser.add_argument("--box-freeze", help="pip list --format=freeze of the box: skip what it already has")
     parser.add_argument("--box-jax", help="the box's jax version, where no --box-freeze gives it (0.11.2 ...): "
                         "picks the versions that run on it")
+    parser.add_argument("--jax-plugin", choices=sorted(PLUGINS),
+                        help="also carry JAX's GPU plugin wheels at the box's jax version")
     parser.add_argument("--pin", action="append", default=[], metavar="NAME==VERSION",
                         help="carry this version instead of this environment's (repeatable)")
     return parser.parse_args(argv)
@@ -275,7 +291,7 @@ def parse_args(argv):
 def main(argv=None) -> int:
     try:
         args = parse_args(argv)
-        plan, skipped = make_plan(args.box_freeze, args.box_jax, args.pin)
+        plan, skipped = make_plan(args.box_freeze, args.box_jax, args.pin, args.jax_plugin)
         if not args.dry_run:
             try:
                 os.makedirs(args.dest, exist_ok=True)
