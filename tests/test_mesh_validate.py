@@ -6,6 +6,8 @@ compiles for GPUs this machine does not have (where JAX's CUDA plugin is install
 import dataclasses
 import json
 import os
+import subprocess
+import sys
 
 import pytest
 
@@ -19,7 +21,7 @@ from zaya_jax.errors import ZayaError
 from zaya_jax.kernels.registry import DEFAULTS
 from meshes import mesh_sizes
 from zaya_process import zaya
-from paths import TINY
+from paths import ROOT
 from xla_test_flags import cuda_plugin_installed, jaxlib_minor
 
 H100_TARGET = "benchmarks/gpu_targets/h100_sxm.txtpb"  # an XLA GPU target config (explore/deviceless.py)
@@ -456,3 +458,21 @@ def test_gpu_target_in_a_multi_process_job_is_refused_before_compiling(monkeypat
     args = types.SimpleNamespace(nodes=1, gpus_per_node=8, gpu_target=H100_TARGET, hardware="h100")
     with pytest.raises(ZayaError, match="--gpu-target compiles without the GPUs, in one process; run zaya mesh alone"):
         command._validation_devices(args)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not os.path.exists(os.path.join(rocm_standin.setup_dir(), rocm_standin.PLUGIN_LIBRARY)),
+                    reason="no compile-only ROCm set-up here: python tools/rocm_compile_setup.py")
+def test_the_zaya1_step_compiles_for_8_mi300x_under_the_best_layout_and_a_lasp2_hybrid(tmp_path):
+    """`benchmarks/zaya1_layouts_on_gpus.py` at ZAYA1 width, four layers: the explorer's best layout
+    of ZAYA1-base and the hybrid's best with a sequence split (LASP-2) compile for 8 MI300X with the
+    ROCm kernels, XLA's total within 15% of the prediction (the explorer's stated error)."""
+    out = tmp_path / "layouts"
+    result = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "zaya1_layouts_on_gpus.py"),
+                             "--hardware=mi300x", f"--gpu-target={MI300X_TARGET}", "--layers=4", "--top=1",
+                             f"--out={out}"], capture_output=True, text=True, timeout=900, cwd=ROOT)
+    assert result.returncode == 0, result.stderr[-3000:]
+    rows = json.loads(out.with_suffix(".json").read_text())["rows"]
+    assert [r["model"] for r in rows] == ["ZAYA1-base", "hybrid LLLC"] and "sequence" in rows[1]["layout"]
+    assert all("error" not in r["xla"] and 0.85 <= r["xla_over_predicted"] <= 1.15 for r in rows), rows
+    assert rows[1]["xla"]["kernels"]["linear_attention"] == DEFAULTS["rocm"]["linear_attention"]
