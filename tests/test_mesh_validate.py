@@ -21,7 +21,7 @@ from zaya_jax.errors import ZayaError
 from zaya_jax.kernels.registry import DEFAULTS
 from meshes import mesh_sizes
 from zaya_process import zaya
-from paths import ROOT
+from paths import ROOT, TINY
 from xla_test_flags import cuda_plugin_installed, jaxlib_minor
 
 H100_TARGET = "benchmarks/gpu_targets/h100_sxm.txtpb"  # an XLA GPU target config (explore/deviceless.py)
