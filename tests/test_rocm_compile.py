@@ -107,7 +107,7 @@ print(device.device_kind, device_target(device), "triton" in hlo)
 
 @pytest.mark.skipif(not os.path.exists(os.path.join(rocm_standin.setup_dir(), rocm_standin.PLUGIN_LIBRARY)),
                     reason="no compile-only ROCm set-up here: python tools/rocm_compile_setup.py")
-@pytest.mark.parametrize("target", ["mi300x", "mi325x"])
+@pytest.mark.parametrize("target", ["mi300x", "mi325x", "mi355x"])
 def test_a_pallas_kernel_compiles_for_an_amd_gpu_without_one(target):
     path = os.path.join(ROOT, "benchmarks", "gpu_targets", f"{target}.txtpb")
     run = subprocess.run([sys.executable, "-c", _COMPILE, path], capture_output=True, text=True, timeout=300,
