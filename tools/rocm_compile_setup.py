@@ -89,7 +89,9 @@ def install(setup: str) -> None:
     if run.returncode:
         last = (run.stderr.strip().splitlines() or ["pip failed"])[-1]
         raise UsageError(f"could not install {' '.join(specs)} ({last}); the ROCm compile set-up needs the "
-                         "plugin of this JAX's version from the package index")
+                         "plugin of this JAX's version from the package index (AMD publishes it later than JAX: "
+                         "`pip index versions jax-rocm7-plugin` lists them; compile in a venv with one of those "
+                         "jax versions)")
 
 
 def check(setup: str) -> str:
