@@ -182,7 +182,8 @@ def _watch_run(shares):
     watch = RoutingWatch(events, notes.append)
     for step, share in enumerate(shares, start=1):
         watch.after_step(step, {"layer_top_share": np.asarray(share, np.float32),
-                                "layer_top_expert": np.full(len(share), 2, np.int32)})
+                                "layer_top_expert": np.full(len(share), 2, np.int32),
+                                "layer_load_max": np.ones(len(share)), "layer_skip_fraction": np.zeros(len(share))})
     watch.flush()
     return events.lines, notes
 
@@ -196,3 +197,22 @@ def test_routing_watch_warns_once_after_twenty_collapsed_steps_and_says_when_it_
     assert lines[0]["expert"] == 2 and lines[0]["share"] == pytest.approx(0.97, abs=1e-4)
     assert notes[0].startswith("step 24: warning: layer 1's routing collapsed: expert 2 took 97% of its tokens")
     assert notes[1] == "step 31: layer 1's routing recovered (busiest expert 40%)"
+
+
+def test_a_logged_record_carries_each_layers_worst_routing_since_the_last_one():
+    """Steps 1-10 logged at 5 and 10: layer 0 spikes to 3.5 at step 3 and layer 1 to 2.2 at step 7,
+    neither a logged step; each record says so, and the next interval starts afresh."""
+    from zaya_jax.train.routing_watch import RoutingWatch
+
+    def metrics(step):
+        load = [3.5 if step == 3 else 1.2, 2.2 if step == 7 else 1.1]
+        return {"layer_top_share": np.full(2, 0.3), "layer_top_expert": np.zeros(2, np.int32),
+                "layer_load_max": np.asarray(load), "layer_skip_fraction": np.asarray([0.1, 0.4 if step == 9 else 0.2])}
+
+    watch, records = RoutingWatch(_Events()), []
+    for step in range(1, 11):
+        watch.after_step(step, metrics(step))
+        if step % 5 == 0:
+            records.append(watch.interval_peaks(metrics(step)))
+    assert records[0] == {"layer_load_max_peak": [3.5, 1.1], "layer_skip_fraction_peak": [0.1, 0.2], "load_max_peak": 3.5}
+    assert records[1] == {"layer_load_max_peak": [1.2, 2.2], "layer_skip_fraction_peak": [0.1, 0.4], "load_max_peak": 2.2}

@@ -141,7 +141,9 @@ def load_summary(counts: jax.Array) -> dict[str, jax.Array]:
     (1 = uniform) over all layers; `skip_fraction` the share sent to the skip class.
     `layer_top_share` [L] is the share of a layer's tokens its busiest expert took (skip class
     included in the count) and `layer_top_expert` [L] which expert that is: what the routing-collapse
-    watch reads (`train/routing_watch.py`).
+    watch reads (`train/routing_watch.py`). `layer_load_max` [L] is each layer's busiest expert's
+    share of the tokens sent to experts times E, and `layer_skip_fraction` [L] its share sent to
+    the skip class: the watch keeps their peaks between logged steps.
     """
     frac = load_fractions(counts)
     experts = frac[:, :-1] / jnp.maximum(frac[:, :-1].sum(-1, keepdims=True), 1e-9)
@@ -155,4 +157,6 @@ def load_summary(counts: jax.Array) -> dict[str, jax.Array]:
         "skip_fraction": jnp.mean(frac[:, -1]),
         "layer_top_share": jnp.max(frac[:, :-1], axis=-1),
         "layer_top_expert": jnp.argmax(frac[:, :-1], axis=-1).astype(jnp.int32),
+        "layer_load_max": jnp.max(experts, axis=-1) * num_experts,
+        "layer_skip_fraction": frac[:, -1],
     }

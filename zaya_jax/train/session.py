@@ -114,7 +114,7 @@ class Session:
                 routing.after_step(done, metrics)
                 if action == "rollback":  # before this step is logged or saved: its state is undone
                     state, action = self._rollback(done, policy, state)
-                self._log(writer, bar, timer, metrics, done, start)
+                self._log(writer, bar, timer, routing, metrics, done, start)
                 if action == "stop":
                     self._stopped(f"stopped: {policy.reason}. Not saved: the newest checkpoint "
                                   f"({self._newest()}) is where a rerun starts; look at the data near step {done}, "
@@ -139,12 +139,13 @@ class Session:
         self.summary["last_step"] = done
         return state, done
 
-    def _log(self, writer, bar, timer, metrics, done: int, start: int) -> None:
+    def _log(self, writer, bar, timer, routing, metrics, done: int, start: int) -> None:
         c = self.c
         # Every process waits for the loss here (only process 0 writes it): this bounds how
         # many steps any process queues ahead of the devices.
         if done % c.train.log_every == 0 or done == c.train.steps or done == start + 1:
-            record = timer.record(jax.device_get(metrics), done)
+            fetched = jax.device_get(metrics)
+            record = {**timer.record(fetched, done), **routing.interval_peaks(fetched)}
             self.span.close(done, record["bad_steps"])
             writer.write(done, {**record, **self._goodput()})
             bar.show(record)
