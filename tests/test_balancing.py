@@ -174,29 +174,45 @@ class _Events:
         self.lines.append({"event": kind, **fields})
 
 
-def _watch_run(shares):
-    """Feed RoutingWatch per-step shares [steps, layers] (expert 2 the busiest everywhere)."""
+def _watch_run(loads):
+    """Feed RoutingWatch per-step busiest-expert loads [steps, layers] (expert 2 the busiest everywhere)."""
     from zaya_jax.train.routing_watch import RoutingWatch
 
     events, notes = _Events(), []
     watch = RoutingWatch(events, notes.append)
-    for step, share in enumerate(shares, start=1):
-        watch.after_step(step, {"layer_top_share": np.asarray(share, np.float32),
-                                "layer_top_expert": np.full(len(share), 2, np.int32),
-                                "layer_load_max": np.ones(len(share)), "layer_skip_fraction": np.zeros(len(share))})
+    for step, load in enumerate(loads, start=1):
+        watch.after_step(step, {"layer_top_share": np.asarray(load, np.float32) / 4,
+                                "layer_top_expert": np.full(len(load), 2, np.int32),
+                                "layer_load_max": np.asarray(load, np.float32), "layer_skip_fraction": np.zeros(len(load))})
     watch.flush()
     return events.lines, notes
 
 
-def test_routing_watch_warns_once_after_twenty_collapsed_steps_and_says_when_it_recovers():
-    # layer 1 over 90% for steps 5..30 (26 steps), then 40%; layer 0 over for 19 steps only, twice.
-    shares = [[0.95 if (3 <= s <= 21 or 23 <= s <= 41) else 0.3, 0.97 if 5 <= s <= 30 else 0.4] for s in range(1, 51)]
-    lines, notes = _watch_run(shares)
-    assert [(e["event"], e["step"], e["layer"]) for e in lines] == [("routing_collapse", 24, 1),
-                                                                    ("routing_recovered", 31, 1)]
-    assert lines[0]["expert"] == 2 and lines[0]["share"] == pytest.approx(0.97, abs=1e-4)
-    assert notes[0].startswith("step 24: warning: layer 1's routing collapsed: expert 2 took 97% of its tokens")
-    assert notes[1] == "step 31: layer 1's routing recovered (busiest expert 40%)"
+def test_routing_watch_warns_once_after_ten_overloaded_steps_and_says_when_it_recovers():
+    # layer 1 at 2.4x for steps 12..25 (14 steps), then 1.2x; layer 0 at 3x for 9 steps only, twice;
+    # layer 2 at 4x for steps 1..18, of which 9 after the router has settled (step 10).
+    loads = [[3.0 if (11 <= s <= 19 or 21 <= s <= 29) else 1.3, 2.4 if 12 <= s <= 25 else 1.2,
+              4.0 if s <= 18 else 1.1] for s in range(1, 41)]
+    lines, notes = _watch_run(loads)
+    assert [(e["event"], e["step"], e["layer"]) for e in lines] == [("routing_overload", 21, 1),
+                                                                    ("routing_recovered", 26, 1)]
+    assert lines[0]["expert"] == 2 and lines[0]["load"] == pytest.approx(2.4, abs=1e-3)
+    assert notes[0].startswith("step 21: warning: layer 1 has sent ≥ 2× the fair share to one expert for 10 steps "
+                               "in a row (now expert 2, 2.4×, 60% of its tokens)")
+    assert notes[1] == "step 26: layer 1's routing recovered (busiest expert 1.2× its fair share)"
+
+
+def test_routing_watch_fires_for_a_balancer_that_herds_tokens_from_expert_to_expert():
+    """The ZAYA1 report's Adam balancer at a large lr: every step another expert takes the layer."""
+    from zaya_jax.train.routing_watch import RoutingWatch
+
+    events = _Events()
+    watch = RoutingWatch(events)
+    for step in range(1, 31):
+        watch.after_step(step, {"layer_top_share": np.asarray([0.97]), "layer_top_expert": np.asarray([step % 4]),
+                                "layer_load_max": np.asarray([3.9]), "layer_skip_fraction": np.zeros(1)})
+    watch.flush()
+    assert [(e["event"], e["step"]) for e in events.lines] == [("routing_overload", 19)]
 
 
 def test_a_logged_record_carries_each_layers_worst_routing_since_the_last_one():

@@ -140,8 +140,8 @@ def load_summary(counts: jax.Array) -> dict[str, jax.Array]:
     `layer_load_entropy` the same per layer [L]; `load_max` is the busiest expert's share times E
     (1 = uniform) over all layers; `skip_fraction` the share sent to the skip class.
     `layer_top_share` [L] is the share of a layer's tokens its busiest expert took (skip class
-    included in the count) and `layer_top_expert` [L] which expert that is: what the routing-collapse
-    watch reads (`train/routing_watch.py`). `layer_load_max` [L] is each layer's busiest expert's
+    included in the count) and `layer_top_expert` [L] which expert that is: what the routing watch
+    names (`train/routing_watch.py`). `layer_load_max` [L] is each layer's busiest expert's
     share of the tokens sent to experts times E, and `layer_skip_fraction` [L] its share sent to
     the skip class: the watch keeps their peaks between logged steps.
     """

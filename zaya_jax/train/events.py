@@ -4,7 +4,7 @@ One JSON object per line: `{"event": KIND, "time": wall seconds, "process": i, .
 (`startup`, `init`, `restore`, `data`, `compile`, `compile_wait`, `steps`, `eval`, `checkpoint`, `model_save`) are
 written when they end, with `sec` their length, so each covers `[time - sec, time]`. Points:
 `start` (an attempt began: its number, the previous attempt's cause), `checkpoint_commit` (a
-save's background write finished), `bad_step`, `routing_collapse` and `routing_recovered`
+save's background write finished), `bad_step`, `routing_overload` and `routing_recovered`
 (`train/routing_watch.py`), `stop` and `end`. `rollback` is a span (reading
 the checkpoint) that also undoes steps; `hang` is a span: the time without progress until the
 watchdog fired. `train/goodput.py` turns

@@ -1,11 +1,14 @@
-"""The routing watch: say when one expert has taken nearly all of a layer's tokens for a while, and
-keep each layer's worst routing between logged steps.
+"""The routing watch: say when a layer keeps overloading an expert, and keep each layer's worst
+routing between logged steps.
 
-The step reports, per layer, the share of the layer's tokens its busiest expert took
-(`balancing.load_summary`: `layer_top_share`, `layer_top_expert`). When that share stays at or
-above `THRESHOLD` for `PATIENCE` steps in a row, the layer's routing has collapsed: the run goes
-on, but the event log gets a `routing_collapse` event and the console a line under the progress
-bar, once, until the layer recovers (a `routing_recovered` event). Like the bad-step policy it
+The step reports, per layer, its busiest expert's load as a multiple of the fair share
+(`balancing.load_summary`: `layer_load_max`, with `layer_top_expert` and `layer_top_share`). When
+that stays at or above `THRESHOLD` for `PATIENCE` steps in a row, counted from step
+`SETTLE_STEPS` on, the layer's routing has gone wrong, whichever expert is the busy one: a
+balancer that herds a layer's tokens from expert to expert trips it as surely as one expert that
+keeps them all. The run goes on, but the event log gets a `routing_overload` event and the
+console a line under the progress bar, once, until the layer comes back under the threshold (a
+`routing_recovered` event). Like the bad-step policy it
 reads each step's numbers one step late, after the next step is dispatched, so the devices never
 wait for the host.
 
@@ -20,8 +23,9 @@ from __future__ import annotations
 import jax
 import numpy as np
 
-THRESHOLD = 0.9  # one expert taking this share of a layer's tokens...
-PATIENCE = 20  # ...for this many steps in a row is a collapse
+THRESHOLD = 2.0  # a layer's busiest expert at this multiple of its fair share (whichever expert)...
+PATIENCE = 10  # ...for this many steps in a row...
+SETTLE_STEPS = 10  # ...from this step on (a fresh router's first steps are uneven) is an overload
 PEAK_KEYS = ("layer_load_max", "layer_skip_fraction")  # kept at their peak between logged steps
 
 
@@ -29,7 +33,7 @@ class RoutingWatch:
     def __init__(self, events, note=lambda text: None, threshold: float = THRESHOLD, patience: int = PATIENCE):
         self.events, self.note = events, note
         self.threshold, self.patience = threshold, patience
-        self.streak: np.ndarray | None = None  # steps in a row each layer has been over the threshold
+        self.streak: np.ndarray | None = None  # steps in a row each layer has been at or over the threshold
         self._pending: tuple[int, tuple] | None = None
         self._peaks: dict[str, np.ndarray] = {}  # per key, each layer's largest value since the last record
 
@@ -60,18 +64,20 @@ class RoutingWatch:
         share, expert, *tracked = (np.asarray(a) for a in jax.device_get(arrays))
         for key, values in zip(PEAK_KEYS, tracked):
             self._peaks[key] = np.maximum(self._peaks[key], values) if key in self._peaks else values
-        over = share >= self.threshold
+        load = tracked[PEAK_KEYS.index("layer_load_max")]
+        over = (load >= self.threshold) & (step >= SETTLE_STEPS)
         if self.streak is None:
-            self.streak = np.zeros(share.shape, np.int64)
-        was_collapsed = self.streak >= self.patience
+            self.streak = np.zeros(load.shape, np.int64)
+        was_over = self.streak >= self.patience
         self.streak = np.where(over, self.streak + 1, 0)
         for layer in np.flatnonzero(self.streak == self.patience):
-            e, s = int(expert[layer]), float(share[layer])
-            self.events.write("routing_collapse", step=step, layer=int(layer), expert=e, share=round(s, 4),
-                              steps=self.patience)
-            self.note(f"step {step}: warning: layer {layer}'s routing collapsed: expert {e} took "
-                      f"{100 * s:.0f}% of its tokens (≥ {100 * self.threshold:.0f}% for {self.patience} steps in a "
-                      "row); see optim.balancer and optim.balance_lr")
-        for layer in np.flatnonzero(was_collapsed & ~over):
-            self.events.write("routing_recovered", step=step, layer=int(layer), share=round(float(share[layer]), 4))
-            self.note(f"step {step}: layer {layer}'s routing recovered (busiest expert {100 * share[layer]:.0f}%)")
+            e, x, s = int(expert[layer]), float(load[layer]), float(share[layer])
+            self.events.write("routing_overload", step=step, layer=int(layer), expert=e, load=round(x, 3),
+                              share=round(s, 4), steps=self.patience)
+            self.note(f"step {step}: warning: layer {layer} has sent ≥ {self.threshold:g}× the fair share to one "
+                      f"expert for {self.patience} steps in a row (now expert {e}, {x:.1f}×, {100 * s:.0f}% of its "
+                      "tokens); see optim.balancer and optim.balance_lr")
+        for layer in np.flatnonzero(was_over & ~over):
+            self.events.write("routing_recovered", step=step, layer=int(layer), load=round(float(load[layer]), 3))
+            self.note(f"step {step}: layer {layer}'s routing recovered (busiest expert {load[layer]:.1f}× its fair "
+                      "share)")
