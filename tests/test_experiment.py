@@ -17,13 +17,20 @@ STABLE_KEYS = ["train.steps", "train.seed", "train.global_batch_size", "train.se
                "mesh.data", "mesh.fsdp", "mesh.expert", "mesh.tsp", "mesh.tensor", "mesh.sequence"]
 
 
-@pytest.mark.parametrize("name", ["tiny_cpu", "zaya1_base_phase1", "zaya1_base_midtrain_32k"])
+@pytest.mark.parametrize("name", ["tiny_cpu", "tiny_hybrid_cpu", "zaya1_routing_cpu", "zaya1_base_phase1",
+                                  "zaya1_base_midtrain_32k"])
 def test_shipped_experiments_validate_and_have_stable_keys(name):
     exp = load_experiment(os.path.join(EXPERIMENTS, f"{name}.py"))
     keys = flatten(exp.config.to_dict())
     for key in STABLE_KEYS:
         assert key in keys
     assert any(k.startswith("data.") for k in keys) and any(k.startswith("optim.") for k in keys)
+
+
+def test_the_routing_experiment_has_zaya1s_routing_shape():
+    exp = load_experiment(os.path.join(EXPERIMENTS, "zaya1_routing_cpu.py"))
+    m, t = exp.model, exp.config.train
+    assert (m.num_experts, m.num_experts_per_tok) == (16, 1) and t.global_batch_size * t.seq_len >= 8192
 
 
 def test_published_recipes():
