@@ -10,9 +10,10 @@ probabilities differ between tokens by less than that step (at the start, and wh
 residual stream moves fast) it herds a layer's tokens from expert to expert. The spread
 controller steps by the overload times how much the router's probabilities differ between
 tokens, so one gain holds while that spread changes tenfold, and it cancels the drift of the
-router's mean probabilities before it shows in the load. Both are measured in the router's own
-units, so the gain measured on the 4-expert `tiny_cpu` carries over to 16 experts
-(benchmarks/routing_health.md).
+router's mean probabilities before it shows in the load (benchmarks/routing_health.md). Its gain
+was measured on the 4-expert `tiny_cpu`; at 16 experts on a CPU (`zaya1_routing_cpu.py`) it does
+not yet hold: a busiest expert at 3-6.5x its fair share while the router settles
+(benchmarks/routing_seeds.md).
 
 Point `data.source` and `data.tokenizer` at your corpus and the ZAYA1 tokenizer.json:
 
