@@ -54,9 +54,6 @@ SIZES = {
 }
 
 
-VENDOR_GEMM = {"cuda": "cudnn", "rocm": "hipblaslt"}  # each GPU vendor's grouped GEMM backend
-
-
 def _platform_from_env() -> str | None:
     named = os.environ.get("JAX_PLATFORMS", "").strip().lower()
     return named if named in ("cuda", "rocm", "cpu") else None
@@ -132,9 +129,9 @@ def vendor_gemm() -> tuple[str, ...]:
     """The target's vendor grouped matmul backend, where its XLA flags were set before JAX started."""
     from zaya_jax.errors import ZayaError
     from zaya_jax.kernels import xla_flags
-    from zaya_jax.kernels.registry import gpu_vendor
+    from zaya_jax.kernels.registry import gpu_vendor, vendor_backend
 
-    backend = VENDOR_GEMM.get(gpu_vendor())
+    backend = vendor_backend("grouped_matmul", gpu_vendor())
     try:
         return (backend,) if backend and xla_flags.require({"moe_kernel": backend}) else ()
     except ZayaError:  # JAX started without them (no --platform): XLA would not read them now
@@ -264,10 +261,11 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     if args.platform and not args.gpu_target:
         from zaya_jax.kernels import xla_flags
+        from zaya_jax.kernels.registry import vendor_backend
 
         os.environ["JAX_PLATFORMS"] = args.platform
-        if args.platform in VENDOR_GEMM:
-            xla_flags.require({"moe_kernel": VENDOR_GEMM[args.platform]})
+        if vendor := vendor_backend("grouped_matmul", args.platform):
+            xla_flags.require({"moe_kernel": vendor})
     chosen = [k.strip() for k in args.kernels.split(",") if k.strip()]
     unknown = sorted(set(chosen) - set(BUILDERS))
     if unknown or args.iters < 1:

@@ -36,6 +36,7 @@ sys.path.insert(0, os.path.join(ROOT, "tools"))
 
 # The step, its bad-input convention and the --out check are gpu_check's, whose step this counts.
 from gpu_check import EXPERIMENT, UsageError, _Parser, check_writable, step_overrides  # noqa: E402
+import gpu_dry_run  # noqa: E402  (the compile-only device of a target)
 DEFAULT_TARGET = os.path.join(ROOT, "benchmarks", "gpu_targets", "h100_sxm.txtpb")
 GIB = 1024 ** 3
 # GEMMs to cuBLAS, as autotuning picks on the device for these shapes (the deviceless compile cannot autotune).
@@ -84,17 +85,10 @@ def read_report(path: str) -> dict:
     return report
 
 
-def devices_for(target_path: str):
-    from zaya_jax.explore import deviceless
-
-    config = deviceless.read_target(target_path)
-    deviceless.use_cpu_host()
-    return deviceless.gpu_devices(config, 1, 1, target_path)
-
-
 def compile_census(devices, layers: int, seq_len: int, batch: int, micro_batches: int, overrides) -> dict:
     """The census of one step shape: its ops, XLA's peak bytes, and the compile's seconds."""
     from zaya_jax.explore import step_census
+    from zaya_jax.explore.xla_terms import total_bytes
     from zaya_jax.kernels.registry import device_target
     from zaya_jax.train.program import program_for_target
 
@@ -102,8 +96,7 @@ def compile_census(devices, layers: int, seq_len: int, batch: int, micro_batches
                                  device_target(devices[0]), devices)
     start = time.perf_counter()
     compiled, _ = program.compile_train_step_phases(COMPILER_OPTIONS)
-    mem = compiled.memory_analysis()
-    peak = mem.argument_size_in_bytes + mem.output_size_in_bytes - mem.alias_size_in_bytes + mem.temp_size_in_bytes
+    peak = total_bytes(compiled)
     return {"ops": step_census.census(compiled.as_text()), "peak_bytes": int(peak), "kernels": program.kernels(),
             "compile_s": round(time.perf_counter() - start, 1)}
 
@@ -159,7 +152,7 @@ def as_it_ran(part: dict) -> list[str]:
 def main(argv=None) -> int:
     try:
         args = parse_args(argv)
-        devices = devices_for(args.gpu_target)
+        devices = gpu_dry_run.devices(args.gpu_target)
     except UsageError as e:
         return fail(str(e))
     except Exception as e:  # noqa: BLE001 - ZayaError (a bad target, no plugin): one line

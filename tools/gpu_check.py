@@ -503,13 +503,13 @@ def dry_run_step(args, layers: int | None) -> dict:
     """The step compiled for --gpu-target instead of timed; without --layers, as many as fit by estimate."""
     import gpu_dry_run
 
-    gpu_dry_run.devices(args.gpu_target)  # JAX on the CPU, the target's compiler registered
+    [device] = gpu_dry_run.devices(args.gpu_target)  # JAX on the CPU, the target's compiler registered
     limit = gpu_dry_run.target_memory(open(args.gpu_target, encoding="utf-8").read())
     if not layers:
         layers = fit_layers(args, limit)
         say(f"{layers} layers fit 85% of {limit / GIB:.1f} GiB by estimate")
     overrides = step_overrides(layers, args.seq_len, args.batch, args.micro_batches) + args.overrides
-    return gpu_dry_run.step_compile(args, layers, EXPERIMENT, overrides)
+    return gpu_dry_run.step_compile(device, limit, layers, EXPERIMENT, overrides)
 
 
 def time_step(args, layers: int, device, limit: int, deadline: float) -> dict:

@@ -38,9 +38,10 @@ def set_vendor_flags(path: str) -> list[str]:
     a GPU run's would (`tools/bench_kernels.py`'s vendor row)."""
     from zaya_jax.explore import deviceless
     from zaya_jax.kernels import xla_flags
+    from zaya_jax.kernels.registry import vendor_backend
 
-    vendor = {"cuda": "cudnn", "rocm": "hipblaslt"}[deviceless.target_platform(deviceless.read_target(path))]
-    return xla_flags.require({"moe_kernel": vendor})
+    platform = deviceless.target_platform(deviceless.read_target(path))
+    return xla_flags.require({"moe_kernel": vendor_backend("grouped_matmul", platform)})
 
 
 PROBE = r"""
@@ -60,19 +61,17 @@ print(%r + json.dumps({"device_kind": d.device_kind, "platform": "gpu", "target"
 """
 
 
-def step_compile(args, layers: int, experiment: str, overrides: list[str]) -> dict:
-    """The step at `layers` compiled for the target: XLA's peak against its HBM ('oom' above it)."""
+def step_compile(device, limit: int, layers: int, experiment: str, overrides: list[str]) -> dict:
+    """The step at `layers` compiled for the compile-only `device`: XLA's peak against its HBM
+    `limit` ('oom' above it)."""
+    from zaya_jax.explore.xla_terms import total_bytes
     from zaya_jax.kernels.registry import device_target
     from zaya_jax.train.program import program_for_target
 
-    [device] = devices(args.gpu_target)
-    limit = target_memory(open(args.gpu_target, encoding="utf-8").read())
     program = program_for_target(experiment, overrides, device_target(device), [device])
     start = time.perf_counter()
     compiled, phases = program.compile_train_step_phases()
-    mem = compiled.memory_analysis()
-    peak = int(mem.argument_size_in_bytes + mem.output_size_in_bytes - mem.alias_size_in_bytes
-               + mem.temp_size_in_bytes)
+    peak = int(total_bytes(compiled))
     fits = not limit or peak <= limit
     out = {"status": "ok" if fits else "oom", "dry_run": True, "layers": layers, "kernels": program.kernels(),
            "compile_s": round(time.perf_counter() - start, 1), "phases": phases, "peak_bytes": peak,

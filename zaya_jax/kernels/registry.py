@@ -97,6 +97,11 @@ DEFAULTS: dict[str, dict[str, str]] = {
 _TARGET: contextvars.ContextVar[str | None] = contextvars.ContextVar("zaya_kernel_target", default=None)
 
 
+def vendor_backend(kernel: str, target: str) -> str | None:
+    """The backend of `kernel` that calls `target`'s vendor library (`VENDOR_BACKENDS`), if any."""
+    return next((b for (k, b), t in VENDOR_BACKENDS.items() if k == kernel and t == target), None)
+
+
 def check_target(name: str) -> str:
     if name not in TARGETS:
         raise ZayaError(f"kernel target must be one of {TARGETS}, got {name!r}")
