@@ -133,16 +133,65 @@ class TorchBalancer:
       and standard deviation over the step's tokens of the router probability of e, and Δp̄_e the change of p̄_e
       since the previous step, minus its mean over the experts (none at the first step, none for
       the skip class); balance_lr 0: no balancing;
-    - "adam": torch.optim.Adam fed over_e / (E + 1) as the gradient of the biases (the report's words).
+    - "adam": torch.optim.Adam fed over_e / (E + 1) as the gradient of the biases (the report's words);
+    - "solve" (`solve`): on the probabilities of the step's first micro-batch routed again by the
+      updated model, 8 times: each expert e with n_e tokens against the experts' mean n̄ moves by
+      balance_lr × (down by the lead over the runner-up that its (n_e − n̄)-th nearest token has, or
+      up by the gap to e of the (n̄ − n_e)-th nearest other token), the moves centred over the
+      experts; a lead or gap read from the token counts at 32 log-spaced edges 1e-5 .. 1, linear
+      between edges (from 0 below the first), 1 where too few tokens are that near.
     Written from the description in zaya_jax/train/balancing.py, not from its code."""
+
 
     def __init__(self, optim, routers):
         import torch
 
-        self.kind, self.gain, self.routers, self.previous = optim.balancer, optim.balance_lr, routers, None
+        from zaya_jax.experiment.schema import balance_lr
+
+        self.kind, self.gain, self.routers, self.previous = optim.balancer, balance_lr(optim), routers, None
+        self.reroutes = self.kind == "solve"
         if self.kind == "adam":
-            self.adam = torch.optim.Adam([r.balancing_biases for r in routers], lr=optim.balance_lr,
+            self.adam = torch.optim.Adam([r.balancing_biases for r in routers], lr=self.gain,
                                          betas=(optim.balance_b1, optim.balance_b2))
+
+    def solve(self, probs) -> None:
+        """probs: per layer, the re-routed tokens' probabilities [T, E+1] (float64)."""
+        import numpy as np
+        import torch
+
+        if self.gain == 0:
+            return
+        edges = np.geomspace(1e-5, 1.0, 32)
+
+        def nearest(distances, wanted):  # the step that moves `wanted` of these tokens
+            within = np.array([(distances <= edge).sum() for edge in edges], np.float64)
+            k = int(np.searchsorted(within, wanted, side="left"))  # the first edge holding `wanted`
+            if k == len(edges):
+                return edges[-1]
+            low_edge, low = (0.0, 0.0) if k == 0 else (edges[k - 1], within[k - 1])
+            share = min(max((wanted - low) / max(within[k] - low, 1e-9), 0.0), 1.0)
+            return low_edge + share * (edges[k] - low_edge)
+
+        for router, p in zip(self.routers, probs):
+            b = router.balancing_biases.detach().double().numpy().astype(np.float32).astype(np.float64)
+            experts = p.shape[1] - 1
+            for _ in range(8):
+                score = (p.astype(np.float32) + b.astype(np.float32)).astype(np.float64)
+                choice = score.argmax(1)
+                counts = np.bincount(choice, minlength=experts + 1)[:experts].astype(np.float64)
+                best = score.max(1)
+                moves = np.zeros(experts)
+                for e in range(experts):
+                    excess = counts[e] - counts.mean()
+                    mine = choice == e
+                    if excess > 0:
+                        runner_up = np.delete(score[mine], e, axis=1).max(1)
+                        moves[e] = -nearest(best[mine] - runner_up, excess)
+                    elif excess < 0:
+                        moves[e] = nearest(best[~mine] - score[~mine, e], -excess)
+                b[:experts] += self.gain * (moves - moves.mean())
+            with torch.no_grad():
+                router.balancing_biases.copy_(torch.as_tensor(b, dtype=torch.float32))
 
     def step(self, counts, probs) -> None:
         """counts [L, E+1] tokens per class; probs: per layer, the tokens' probabilities [T, E+1] (float64)."""
@@ -335,12 +384,13 @@ def document_pieces(batch: dict) -> dict[int, tuple]:
 class TorchTrainer:
     """The HF model trained in eager PyTorch with torch's optimizers (module docstring, item 4)."""
 
-    def __init__(self, model, optim, total_steps: int, newton_schulz: tuple[str, str] = ("bfloat16", "clamp")):
+    def __init__(self, model, optim, total_steps: int, newton_schulz: tuple[str, str] = ("bfloat16", "clamp"),
+                 micro_batches: int = 1):
         import torch
 
         if abs(optim.muon_rms - 0.2) > 1e-12:
             raise ValueError(f"torch's match_rms_adamw scales Muon to RMS 0.2; optim.muon_rms is {optim.muon_rms}")
-        self.model, self.newton_schulz = model, newton_schulz
+        self.model, self.newton_schulz, self.micro_batches = model, newton_schulz, micro_batches
         self.layers = list(model.model.layers)
         for layer in self.layers:
             split_experts(layer.mlp.experts)
@@ -389,6 +439,22 @@ class TorchTrainer:
 
         return hook
 
+    def _reroute(self, batch: dict) -> list:
+        """The router probabilities of the step's first micro-batch (its first rows) through the
+        updated model, per layer [T, E+1] (float64)."""
+        import torch
+
+        rows = batch["inputs"].shape[0] // self.micro_batches
+        first = {k: v[:rows] for k, v in batch.items()}
+        kept = self._counts, self._margins
+        self._counts, self._margins = torch.zeros_like(self._counts), [[] for _ in self.routers]
+        self._probs = [[] for _ in self.routers]
+        with torch.no_grad():
+            for _, (ids, _) in sorted(document_pieces(first).items()):
+                self.model(input_ids=torch.from_numpy(ids.astype("int64")))
+        self._counts, self._margins = kept
+        return [torch.cat(p).double().numpy() for p in self._probs]
+
     def step(self, batch: dict) -> dict:
         import torch
 
@@ -432,7 +498,10 @@ class TorchTrainer:
             schedule.step()
         counts = self._counts.numpy().copy()
         probs = [torch.cat(p).double().numpy() for p in self._probs]
-        self.balance.step(counts, probs)
+        if self.balance.reroutes:
+            self.balance.solve(self._reroute(batch))
+        else:
+            self.balance.step(counts, probs)
         self.model.zero_grad(set_to_none=True)
         load = counts / np.maximum(counts.sum(-1, keepdims=True), 1.0)
         margins = [torch.cat(m).double().numpy() for m in self._margins]
@@ -446,8 +515,9 @@ class TorchTrainer:
 
 
 def train_torch(cfg, params, biases, optim, batches, newton_schulz=("bfloat16", "clamp"),
-                total_steps: int | None = None) -> list[dict]:
-    trainer = TorchTrainer(hf_model_from(cfg, params, biases), optim, total_steps or len(batches), newton_schulz)
+                total_steps: int | None = None, micro_batches: int = 1) -> list[dict]:
+    trainer = TorchTrainer(hf_model_from(cfg, params, biases), optim, total_steps or len(batches), newton_schulz,
+                           micro_batches)
     return [trainer.step(b) for b in batches]
 
 
@@ -714,7 +784,8 @@ def main(argv=None) -> int:
     runs, seconds = {}, {"ours": ours_sec}
     for name in variants:
         t0 = time.perf_counter()
-        runs[name] = train_torch(cfg, params, biases, optim, batches, VARIANTS[name][0], args.steps)
+        runs[name] = train_torch(cfg, params, biases, optim, batches, VARIANTS[name][0], args.steps,
+                                 exp.config.train.grad_accum_steps)
         seconds[name] = time.perf_counter() - t0
     seconds["total"] = time.perf_counter() - started
 

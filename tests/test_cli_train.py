@@ -145,7 +145,7 @@ def _assert_progress_bar(result, train, eval_loss):
     (["--config.data.source=/nonexistent/corpus.txt"], "/nonexistent/corpus.txt", 1),
     (["--config.data.tokenizer=/nonexistent/tokenizer.json"], "/nonexistent/tokenizer.json", 1),
     (["--config.model.moe_kernel=triton"], "model.moe_kernel must be one of", 1),
-    (["--config.optim.balancer=sign"], "optim.balancer must be one of spread, adam, got 'sign'", 1),
+    (["--config.optim.balancer=sign"], "optim.balancer must be one of solve, spread, adam, got 'sign'", 1),
     (["--config.optim.muon_ns_dtype=fp8"], "optim.muon_ns_dtype must be one of auto, float32, bfloat16, got 'fp8'", 1),
     (["--config.model.attention_kernel=cudnn"], "model.attention_kernel: the cudnn attention backend needs an NVIDIA GPU", 1),
     (["--config.model.moe_kernel=hipblaslt"], "the hipblaslt grouped_matmul backend needs an AMD GPU (ROCm)", 1),

@@ -71,6 +71,10 @@ def test_overrides_are_parsed_as_the_key_type():
     (["--config.eval.prompts=['x']", "--config.eval.prompt_tokens=128"], "eval.prompt_tokens (128) must be below"),
     (["--config.eval.task_limit=-1"], "eval.task_limit must be >= 0"),
     (["--config.optim.muon_ns_dtype=fp8"], "optim.muon_ns_dtype must be one of auto, float32, bfloat16, got 'fp8'"),
+    (["--config.optim.balancer=adam", "--config.optim.balance_lr=0.5"],
+     "optim.balance_lr=0.5 is too large for optim.balancer=adam"),
+    (["--config.optim.balance_lr=1.5"], "optim.balance_lr=1.5 is too large for optim.balancer=solve"),
+    (["--config.optim.balance_lr=-1"], "optim.balance_lr must be >= 0"),
 ])
 def test_bad_overrides_name_the_problem(overrides, words):
     with pytest.raises(ZayaError, match=None) as err:
@@ -147,3 +151,13 @@ def test_impossible_layouts_are_refused_in_words(layout, overrides, words):
 
 def test_parse_override_args_forms():
     assert parse_override_args(["--config.a.b=1", "--config.c", "x=y"]) == [("a.b", "1"), ("c", "x=y")]
+
+
+@pytest.mark.parametrize("balancer, lr", [("solve", 0.5), ("spread", 0.5), ("adam", 1e-3)])
+def test_an_unset_balance_lr_is_the_balancers_own(balancer, lr):
+    from zaya_jax.experiment.schema import balance_lr
+
+    exp = load_experiment(TINY, [f"--config.optim.balancer={balancer}"])
+    assert exp.config.optim.balance_lr is None and balance_lr(exp.config.optim) == lr
+    assert balance_lr(load_experiment(TINY, [f"--config.optim.balancer={balancer}", "--config.optim.balance_lr=0"])
+                      .config.optim) == 0.0

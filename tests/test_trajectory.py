@@ -39,7 +39,8 @@ def test_torch_trains_like_zaya_train(tmp_path):
 
     params, biases = trajectory.initial_arrays(exp, devices)
     batches = trajectory.step_batches(exp, STEPS)
-    theirs = trajectory.train_torch(exp.model, params, biases, exp.config.optim, batches, ("float32", "clamp"))
+    theirs = trajectory.train_torch(exp.model, params, biases, exp.config.optim, batches, ("float32", "clamp"),
+                                    micro_batches=exp.config.train.grad_accum_steps)
     c = trajectory.compare(ours, theirs)
 
     assert not trajectory.recipe_mismatches(exp.model)

@@ -595,7 +595,7 @@ def split_timing(program, state, batch, n: int, deadline: float) -> dict:
     gradient, update = program.jitted_gradient_step(), program.jitted_update_step()
     say("timing the gradient step and the update apart")
     grads, sums = jax.block_until_ready(gradient(state.params, state.biases, batch))
-    state, _ = jax.block_until_ready(update(state, grads, sums))
+    state, _ = jax.block_until_ready(update(state, grads, sums, batch))
     grad_times, update_times = [], []
     for _ in range(n):
         if deadline - time.monotonic() < 10:
@@ -605,7 +605,7 @@ def split_timing(program, state, batch, n: int, deadline: float) -> dict:
         grads, sums = jax.block_until_ready(gradient(state.params, state.biases, batch))
         grad_times.append(time.perf_counter() - t)
         t = time.perf_counter()
-        state, _ = jax.block_until_ready(update(state, grads, sums))
+        state, _ = jax.block_until_ready(update(state, grads, sums, batch))
         update_times.append(time.perf_counter() - t)
     if not grad_times:
         return {}

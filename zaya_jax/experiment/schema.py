@@ -16,7 +16,13 @@ from zaya_jax.config import preset as model_preset
 from zaya_jax.model.remat import REMAT_POLICIES as _POLICIES
 
 REMAT_POLICIES = tuple(_POLICIES)
-BALANCERS = ("spread", "adam")  # optim.balancer: train/balancing.py
+BALANCERS = ("solve", "spread", "adam")  # optim.balancer: train/balancing.py
+# Per balancer, optim.balance_lr where it is unset and the most it takes (experiment/validate.py).
+# solve: half of each solved step (the experts' steps overlap: the tokens one expert sheds are the
+# ones another draws); over 1 overshoots it. spread: benchmarks/routing_health.md. adam: the public
+# guess for the report's rule (its lr is unpublished); Adam moves every bias by about its lr a step
+# whatever the load, and at 1e-2 that herds a layer's tokens onto one expert within 5 steps.
+BALANCE_LR = {"solve": (0.5, 1.0), "spread": (0.5, float("inf")), "adam": (1e-3, 3e-3)}
 NS_DTYPES = ("auto", "float32", "bfloat16")  # optim.muon_ns_dtype (train/muon.py: ns_dtype)
 
 # Keys whose value may legitimately be None, with the types allowed otherwise.
@@ -24,6 +30,7 @@ NULLABLE = {
     "model.pad_token_id": (int,),
     "model.bos_token_id": (int,),
     "model.eos_token_id": (int, list, tuple),
+    "optim.balance_lr": (float, int),  # None: the balancer's own (train/balancing.py: DEFAULT_LR)
 }
 
 
@@ -93,12 +100,13 @@ def _optim() -> dict:
         muon_ns_dtype="auto",
         muon_rms=0.2,  # update RMS Muon is scaled to (AdamW's typical update RMS)
         # ZAYA1's bias balancer (train/balancing.py): each step every bias moves against its expert's
-        # overload E·load − 1. spread: by balance_lr × the overload × the spread of the router's
-        # probabilities between tokens (capped at 1/(4(E+1))), plus the drift of its mean probability
-        # (settles, follows the router); adam: the report's Adam, by about balance_lr whatever the error (herds while the
-        # router's probabilities are close)
-        balancer="spread",
-        balance_lr=0.5,
+        # overload. solve: the biases solved on the step's first micro-batch routed again by the updated
+        # model, balance_lr the share of the solved step taken (one forward of a micro-batch a step);
+        # spread: by balance_lr × the overload E·load − 1 × the spread of the router's probabilities
+        # between tokens, plus the drift of its mean probability; adam: the report's Adam, by about
+        # balance_lr whatever the error. balance_lr None: the balancer's own default; 0: off
+        balancer="solve",
+        balance_lr=None,
         balance_b1=0.9,  # adam only
         balance_b2=0.999,  # adam only
     )
@@ -155,3 +163,8 @@ def base_config(preset: str = "tiny_cpu") -> ml_collections.ConfigDict:
         dict(train=_train(), eval=_eval(), checkpoint=_checkpoint(), optim=_optim(), data=_data(),
              mesh=_mesh(), distributed=_distributed(), fault=_fault(), model=model)
     )
+
+
+def balance_lr(optim) -> float:
+    """`optim.balance_lr`, or where it is None the balancer's own default."""
+    return BALANCE_LR[optim.balancer][0] if optim.balance_lr is None else float(optim.balance_lr)

@@ -18,7 +18,7 @@ from zaya_jax.data.mixture import parse_mixture
 from zaya_jax.errors import ZayaError
 from zaya_jax.kernels import xla_flags
 from zaya_jax.kernels.registry import KERNEL_FIELDS, resolve as resolve_kernel
-from zaya_jax.experiment.schema import BALANCERS, NS_DTYPES, REMAT_POLICIES
+from zaya_jax.experiment.schema import BALANCE_LR, BALANCERS, NS_DTYPES, REMAT_POLICIES, balance_lr
 from zaya_jax.parallel.axes import MESH_AXES
 
 BYTE_VOCAB = 259
@@ -150,10 +150,23 @@ def _optim(c, model) -> str | None:
         (o.muon_ns_steps >= 1, f"optim.muon_ns_steps must be >= 1, got {o.muon_ns_steps}"),
         (o.muon_ns_dtype in NS_DTYPES,
          f"optim.muon_ns_dtype must be one of {', '.join(NS_DTYPES)}, got {o.muon_ns_dtype!r}"),
-        (o.balance_lr >= 0, f"optim.balance_lr must be >= 0, got {o.balance_lr}"),
         (o.balancer in BALANCERS, f"optim.balancer must be one of {', '.join(BALANCERS)}, got {o.balancer!r}"),
     ]
-    return next((msg for ok, msg in checks if not ok), None)
+    return next((msg for ok, msg in checks if not ok), None) or _balance_lr(o)
+
+
+def _balance_lr(o) -> str | None:
+    """optim.balance_lr against its balancer: 0 (off) up to the most that balancer takes."""
+    (default, most), lr = BALANCE_LR[o.balancer], balance_lr(o)
+    if 0 <= lr <= most:
+        return None
+    if lr < 0:
+        return f"optim.balance_lr must be >= 0 (0 turns balancing off), got {lr}"
+    reasons = {"solve": "it is the share of each solved bias step taken, and above 1 the step overshoots",
+               "adam": "Adam moves every bias by about its lr each step whatever the load, and that herds a "
+                       "layer's tokens onto one expert"}
+    return (f"optim.balance_lr={lr:g} is too large for optim.balancer={o.balancer}: {reasons[o.balancer]}; use at "
+            f"most {most:g} (its default is {default:g}: leave optim.balance_lr unset)")
 
 
 def _fault(c, model) -> str | None:

@@ -10,8 +10,17 @@ The step reports per layer and class the tokens routed there and the sums of the
 probability p and p² over the step's tokens (`route_sums`, [L, 3, E+1]); from them come the load,
 the mean probability p̄ and its spread σ between tokens.
 
-Two controllers (`optim.balancer`):
-- `spread` (the default): each step, bias_e −= balance_lr · σ_e · (E·load_e − 1) + Δp̄_e. The first
+Three controllers (`optim.balancer`):
+- `solve` (the default): after the optimizer step, the step's first micro-batch is routed again
+  through the *updated* model (a forward pass, no gradient), and the biases are solved on those
+  probabilities: a few damped steps, each moving every expert's bias by the amount that would
+  release its excess tokens (the excess-th smallest lead of its tokens over their runner-up) or
+  draw its missing ones (the deficit-th smallest gap of other tokens to it), centred over the
+  experts. What the next step sees then differs only by the batch. The controllers below measure
+  the step's own routing, made before the update, and the update itself can move a layer from
+  even to 5× its fair share (16 experts, warmup; `benchmarks/routing_balancers.md`). It costs a
+  forward of one micro-batch per step: 1/(3A) of the step's model FLOPs with A micro-batches.
+- `spread`: each step, bias_e −= balance_lr · σ_e · (E·load_e − 1) + Δp̄_e. The first
   term is a proportional step measured in units of how much the router's probabilities differ
   between tokens: a bias step of σ moves a sizeable share of tokens whatever σ is, so the gain
   that settles at σ = 0.05 (a fresh router) does not oscillate at σ = 0.015 (while the residual
@@ -36,6 +45,7 @@ from typing import Any, Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 
 TOKENS, PROB, PROB_SQ = 0, 1, 2  # the rows of `route_sums`
@@ -86,23 +96,100 @@ def probability_moments(sums: jax.Array) -> tuple[jax.Array, jax.Array]:
 
 
 class Balancer(NamedTuple):
-    """`init(biases [L, E+1]) -> state`; `update(biases, route_sums, state) -> (biases, state)`."""
+    """`init(biases [L, E+1]) -> state`; `update(biases, evidence, state) -> (biases, state)`, the
+    evidence the step's `route_sums`, or where `reroutes`, `Rerouted`: the updated model's routing
+    of one micro-batch."""
     init: Callable[[jax.Array], Any]
-    update: Callable[[jax.Array, jax.Array, Any], tuple[jax.Array, Any]]
+    update: Callable[[jax.Array, Any, Any], tuple[jax.Array, Any]]
+    reroutes: bool = False
+
+
+class Rerouted(NamedTuple):
+    probs: jax.Array  # fp32[L, ..., E+1], the router's probabilities after the optimizer step
+    valid: jax.Array  # bool[...], the tokens that count
+
+
+SOLVE_ITERATIONS = 8
+# Where a bias step of a given size moves tokens: per class, the tokens whose lead over their
+# runner-up (or gap to the class) is at or below each edge, log-spaced in units of probability.
+EDGES = tuple(float(x) for x in np.geomspace(1e-5, 1.0, 32))
 
 
 def balancer(kind: str, lr: float, b1: float = 0.9, b2: float = 0.999) -> Balancer:
-    """The controller that moves the biases: `optim.balancer`, one of `experiment.schema.BALANCERS`
-    (validated there)."""
+    """The controller that moves the biases: `optim.balancer`, one of `experiment.schema.BALANCERS`,
+    and its rate (`experiment.schema.balance_lr`; both validated there)."""
+    if lr == 0:  # balancing off: spread's feed-forward alone would still move the biases
+        return Balancer(lambda biases: (), lambda biases, evidence, state: (biases, state))
+    if kind == "solve":
+        return _solve(lr)
     if kind == "spread":
         return _spread(lr)
     return _adam(lr, b1, b2)
 
 
-def _spread(gain: float, cap: float = 0.25) -> Balancer:
-    if gain == 0:  # balancing off: the feed-forward alone would still move the biases
-        return Balancer(lambda biases: (), lambda biases, sums, state: (biases, state))
+def _solve(gain: float, iterations: int = SOLVE_ITERATIONS) -> Balancer:
+    def update(biases, rerouted, state):
+        weights = rerouted.valid.astype(jnp.float32)
+        probs = jax.lax.stop_gradient(rerouted.probs).astype(jnp.float32)
 
+        def one(_, b):
+            return b + gain * solve_step(*margin_counts(probs, weights, b))
+
+        return jax.lax.fori_loop(0, iterations, one, biases), state
+
+    return Balancer(lambda biases: (), update, reroutes=True)
+
+
+def margin_counts(probs: jax.Array, weights: jax.Array, biases: jax.Array) -> tuple[jax.Array, ...]:
+    """Routing `probs` [L, ..., C] with `biases` [L, C] (the router's top-1 rule), weighted by
+    `weights` [...]: the tokens per class fp32[L, C], and per class and edge fp32[L, C, K] the
+    tokens routed there whose lead over their runner-up is at most the edge (a bias step down of
+    that size releases them) and the tokens routed elsewhere whose choice scores at most the edge
+    above the class (a step up of that size draws them). Sums over tokens: replicas add them."""
+    layers, classes = biases.shape
+    scores = probs + biases.reshape((layers,) + (1,) * (probs.ndim - 2) + (classes,))
+    chosen = jax.nn.one_hot(jnp.argmax(scores, axis=-1), classes, dtype=jnp.bool_)
+    best = jnp.max(scores, axis=-1, keepdims=True)
+    runner_up = jnp.max(jnp.where(chosen, -jnp.inf, scores), axis=-1, keepdims=True)
+    distance = jnp.where(chosen, best - runner_up, best - scores)
+    tokens = tuple(range(1, probs.ndim - 1))
+    w = weights[None, ..., None]
+    counts = jnp.sum(jnp.where(chosen, w, 0.0), axis=tokens)
+
+    def below(mask):  # a compare feeding a reduction: XLA fuses it, nothing [..., C, K] is stored
+        hits = (distance[..., None] <= jnp.asarray(EDGES, jnp.float32)) & mask[..., None]
+        return jnp.sum(jnp.where(hits, w[..., None], 0.0), axis=tokens)
+
+    return counts, below(chosen), below(~chosen)
+
+
+def solve_step(counts: jax.Array, keep: jax.Array, near: jax.Array) -> jax.Array:
+    """The bias change [L, C] that would bring every expert to the mean load of the experts, each
+    expert taken alone: down by the step that releases its excess, up by the step that draws its
+    deficit; centred over the experts (only differences route), 0 for the skip class."""
+    target = counts[:, :-1].mean(-1, keepdims=True)
+    excess = counts[:, :-1] - target
+    down = _step_size(keep[:, :-1], jnp.maximum(excess, 0.0))
+    up = _step_size(near[:, :-1], jnp.maximum(-excess, 0.0))
+    step = jnp.where(excess > 0, -down, jnp.where(excess < 0, up, 0.0))
+    return jnp.pad(step - step.mean(-1, keepdims=True), ((0, 0), (0, 1)))
+
+
+def _step_size(cumulative: jax.Array, wanted: jax.Array) -> jax.Array:
+    """The step that moves `wanted` tokens [L, E], from the tokens within each edge [L, E, K]:
+    linear between edges (from 0 below the first), the last edge where too few are that near."""
+    edges = jnp.asarray(EDGES, jnp.float32)
+    lower_edges = jnp.concatenate([jnp.zeros(1, jnp.float32), edges[:-1]])
+    lower = jnp.concatenate([jnp.zeros_like(cumulative[..., :1]), cumulative[..., :-1]], axis=-1)
+    k = jnp.sum(cumulative < wanted[..., None], axis=-1)  # the first edge that holds `wanted`
+    at = jnp.minimum(k, len(EDGES) - 1)[..., None]
+    hi, lo = (jnp.take_along_axis(c, at, -1)[..., 0] for c in (cumulative, lower))
+    frac = jnp.clip((wanted - lo) / jnp.maximum(hi - lo, 1e-9), 0.0, 1.0)
+    size = lower_edges[at[..., 0]] + frac * (edges[at[..., 0]] - lower_edges[at[..., 0]])
+    return jnp.where(k >= len(EDGES), edges[-1], size)
+
+
+def _spread(gain: float, cap: float = 0.25) -> Balancer:
     def init(biases):
         return {"mean_probs": jnp.zeros(biases.shape, jnp.float32), "seen": jnp.zeros((), jnp.bool_)}
 
@@ -127,9 +214,9 @@ def _adam(lr: float, b1: float, b2: float) -> Balancer:
     return Balancer(tx.init, update)
 
 
-def update_biases(biases: dict, sums: jax.Array, key: str, control: Balancer, state) -> tuple[dict, Any]:
-    """One balancing step of `biases[key]`, the layers' biases stacked [L, E+1] like `sums`' classes."""
-    new, state = control.update(biases[key], sums, state)
+def update_biases(biases: dict, evidence, key: str, control: Balancer, state) -> tuple[dict, Any]:
+    """One balancing step of `biases[key]`, the layers' biases stacked [L, E+1]."""
+    new, state = control.update(biases[key], evidence, state)
     return {**biases, key: new}, state
 
 

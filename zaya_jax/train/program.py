@@ -32,6 +32,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from zaya_jax.errors import ZayaError
 from zaya_jax.experiment import Experiment, load_experiment
+from zaya_jax.experiment.schema import balance_lr
 from zaya_jax.kernels.gpu_lowering import checked_lowering, lowering_device
 from zaya_jax.kernels.registry import GPU_TARGETS, KERNEL_FIELDS, device_target, resolve, targeting
 from zaya_jax.parallel.mesh import mesh_for
@@ -66,7 +67,7 @@ class Program:
         held = {k: (s.spec, self.modeldef.param_shapes[k]) for k, s in self.optimizer_shardings().items()}
         self.tx, self.lr_schedule = build_optimizer(c.optim, c.train.steps, self.modeldef.param_axes,
                                                     spread=spread_matrices(self.mesh, held), target=self.target)
-        self.balancer = balancing.balancer(c.optim.balancer, c.optim.balance_lr, c.optim.balance_b1,
+        self.balancer = balancing.balancer(c.optim.balancer, balance_lr(c.optim), c.optim.balance_b1,
                                            c.optim.balance_b2)
         # The mesh's schedules run the layers; they look at which axes are split when traced.
         self.step_cfg = StepConfig(remat=c.train.remat, scan_layers=c.train.scan_layers,
@@ -172,10 +173,12 @@ class Program:
                                            self.batch_sharding()))
 
     def jitted_update_step(self):
-        """The train step's second half alone, `(state, grads, sums) -> (state, metrics)`, the state donated."""
+        """The train step's second half alone, `(state, grads, sums, batches) -> (state, metrics)`, the
+        state donated."""
         step = self._under_mesh(make_update_step(self.modeldef, self.tx, self.balancer, self.lr_schedule,
                                                  self.step_cfg))
-        return jax.jit(step, in_shardings=(self.state_shardings, self.state_shardings.params, None),
+        return jax.jit(step, in_shardings=(self.state_shardings, self.state_shardings.params, None,
+                                           self.batch_sharding()),
                        out_shardings=(self.state_shardings, self.replicated()), donate_argnums=0)
 
     def _under_mesh(self, fn):

@@ -36,6 +36,7 @@ class RoutingWatch:
         self.streak: np.ndarray | None = None  # steps in a row each layer has been at or over the threshold
         self._pending: tuple[int, tuple] | None = None
         self._peaks: dict[str, np.ndarray] = {}  # per key, each layer's largest value since the last record
+        self._recorded = -1  # the last logged step: its values are in that record, not the next
 
     def after_step(self, step: int, metrics: dict) -> None:
         """Call after dispatching `step`; looks at the step before it."""
@@ -49,9 +50,10 @@ class RoutingWatch:
             self._look(*self._pending)
             self._pending = None
 
-    def interval_peaks(self, record: dict) -> dict:
-        """Each layer's peak of `PEAK_KEYS` over the steps since the last call, the logged step's own
+    def interval_peaks(self, record: dict, step: int) -> dict:
+        """Each layer's peak of `PEAK_KEYS` over the steps since the last call, the logged `step`'s own
         values (in `record`) included, as `<key>_peak` lists and `load_max_peak` over the layers."""
+        self._recorded = step
         out = {}
         for key in PEAK_KEYS:
             now = np.asarray(record[key], np.float64)
@@ -63,7 +65,8 @@ class RoutingWatch:
     def _look(self, step: int, arrays) -> None:
         share, expert, *tracked = (np.asarray(a) for a in jax.device_get(arrays))
         for key, values in zip(PEAK_KEYS, tracked):
-            self._peaks[key] = np.maximum(self._peaks[key], values) if key in self._peaks else values
+            if step > self._recorded:
+                self._peaks[key] = np.maximum(self._peaks[key], values) if key in self._peaks else values
         load = tracked[PEAK_KEYS.index("layer_load_max")]
         over = (load >= self.threshold) & (step >= SETTLE_STEPS)
         if self.streak is None:

@@ -145,7 +145,7 @@ class Session:
         # many steps any process queues ahead of the devices.
         if done % c.train.log_every == 0 or done == c.train.steps or done == start + 1:
             fetched = jax.device_get(metrics)
-            record = {**timer.record(fetched, done), **routing.interval_peaks(fetched)}
+            record = {**timer.record(fetched, done), **routing.interval_peaks(fetched, done)}
             self.span.close(done, record["bad_steps"])
             writer.write(done, {**record, **self._goodput()})
             bar.show(record)

@@ -117,20 +117,34 @@ def make_gradient_step(modeldef: ModelDef, cfg: StepConfig):
     return gradient_step
 
 
+def reroute(modeldef: ModelDef, params, biases, batch, cfg: StepConfig) -> balancing.Rerouted:
+    """The router's probabilities for one [b, S] batch through the model `params` make (a forward, no
+    gradient): what a re-routing balancer solves the biases on."""
+    model = modeldef.merge(jax.lax.stop_gradient(params), biases)
+    _, routing = model.hidden_states(batch["inputs"], batch["segment_ids"], batch["positions"],
+                                     schedule=cfg.schedule, scan=cfg.scan_layers, unroll=cfg.scan_unroll)
+    return balancing.Rerouted(routing.probs, batch["segment_ids"] > 0)
+
+
 def make_update_step(modeldef: ModelDef, tx: optax.GradientTransformation, balancer: balancing.Balancer,
                      lr_schedule: Callable, cfg: StepConfig):
-    """`update_step(state, grads, sums) -> (state, metrics)`: the train step's second half, from the
-    reduced mean gradients and `make_gradient_step`'s sums: the bad-step verdict, the Muon/AdamW
-    update, the balancing biases and the metrics. Benchmarks time it apart from the gradients."""
+    """`update_step(state, grads, sums, batches) -> (state, metrics)`: the train step's second half,
+    from the reduced mean gradients and `make_gradient_step`'s sums: the bad-step verdict, the
+    Muon/AdamW update, the balancing biases (a re-routing balancer routes the first micro-batch of
+    the step's `batches` again, through the updated weights) and the metrics. Benchmarks time it
+    apart from the gradients."""
     bias_key = modeldef.bias_key
 
-    def update_step(state: TrainState, grads, sums):
+    def update_step(state: TrainState, grads, sums, batches):
         loss, grad_norm, ntok, routes = sums["loss"], sums["grad_norm"], sums["tokens"], sums["routes"]
         counts = routes[:, balancing.TOKENS]
         bad = step_guard.is_bad(state.guard, loss, grad_norm, cfg.guard)
         updates, opt_state = tx.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
-        biases, balance_state = balancing.update_biases(state.biases, routes, bias_key, balancer,
+        evidence = routes
+        if balancer.reroutes:
+            evidence = reroute(modeldef, params, state.biases, jax.tree.map(lambda x: x[0], batches), cfg)
+        biases, balance_state = balancing.update_biases(state.biases, evidence, bias_key, balancer,
                                                         state.balance_state)
         guard = step_guard.record(state.guard, loss, grad_norm, bad)
         metrics = {"loss": loss, "grad_norm": grad_norm, "lr": lr_schedule(state.step),
@@ -153,7 +167,7 @@ def make_train_step(modeldef: ModelDef, tx: optax.GradientTransformation, balanc
 
     def train_step(state: TrainState, batches):
         grads, sums = gradient_step(state.params, state.biases, batches)
-        return update_step(state, grads, sums)
+        return update_step(state, grads, sums, batches)
 
     return train_step
 
