@@ -43,7 +43,6 @@ def parse_args(argv=None):
 def trace(config: str, overrides: list[str], steps: int) -> list[dict]:
     import jax
     import jax.numpy as jnp
-    import numpy as np
 
     from zaya_jax import cpu_host
     from zaya_jax.experiment import load_experiment

@@ -4,16 +4,15 @@
 (16.8M), Muon + AdamW with a cosine 6e-4 → 2e-4, bf16 compute with the fp32 islands.
 Phase 1 is 8T tokens: 476,837 steps of 16.8M tokens. Not published, so chosen here: warmup
 (2,000 steps), weight decay (0.1), Muon momentum (0.95), the router's initialisation and the
-balancer. The balancer is the default `spread` controller (gain 0.5), not the report's Adam:
-Adam moves every bias by its lr each step whatever the load error, and while the router's
-probabilities differ between tokens by less than that step (at the start, and whenever the
-residual stream moves fast) it herds a layer's tokens from expert to expert. The spread
-controller steps by the overload times how much the router's probabilities differ between
-tokens, so one gain holds while that spread changes tenfold, and it cancels the drift of the
-router's mean probabilities before it shows in the load (benchmarks/routing_health.md). Its gain
-was measured on the 4-expert `tiny_cpu`; at 16 experts on a CPU (`zaya1_routing_cpu.py`) it does
-not yet hold: a busiest expert at 3-6.5x its fair share while the router settles
-(benchmarks/routing_seeds.md).
+balancer. The balancer is the default `solve`: after each optimizer step the step's first
+micro-batch is routed again by the updated model and the biases solved on it
+(docs/training.md, "Load balancing"), which costs one forward of a micro-batch a step (~6% of
+this recipe's model FLOPs, with full remat). The report's Adam rule herds a layer's tokens from
+expert to expert while the router's probabilities are close, and a balancer that measures the
+step's own routing lags the router by one update, which at 16 experts on a CPU
+(`zaya1_routing_cpu.py`) is 3-6.5x the fair share while the router settles
+(benchmarks/routing_seeds_spread.md). Whether that lag matters at this recipe's 16.8M tokens a
+step is unmeasured; `optim.balancer=spread` saves the forward where a run shows it holds.
 
 Point `data.source` and `data.tokenizer` at your corpus and the ZAYA1 tokenizer.json:
 
