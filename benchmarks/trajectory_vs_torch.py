@@ -16,7 +16,7 @@ batches, the same recipe, compared step by step.
    our optimizer code: `torch.optim.Muon(adjust_lr_fn="match_rms_adamw")` on the hidden 2-D
    matrices (every expert's gate, up and down as its own 2-D leaf), `torch.optim.AdamW` on the
    rest, the recipe's weight-decay mask (`HF_RECIPE`, the table `train/optim.py::PARTITION`
-   restated for HF names), warmup + cosine in a `LambdaLR`, `clip_grad_norm_`, HF's own loss
+   restated for HF names), warmup and cosine from torch's `LinearLR` and `CosineAnnealingLR`, `clip_grad_norm_`, HF's own loss
    (labels −100 off the loss mask, `num_items_in_batch` = the step's loss tokens; each document
    piece of a packed row is its own sequence, since HF's eager attention has no segment ids), and
    ZAYA1's bias balancer written from its equations (`TorchBalancer`). Torch's Muon differs
@@ -40,7 +40,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import math
 import os
 import platform
 import subprocess
@@ -108,20 +107,22 @@ def recipe_mismatches(cfg) -> list[str]:
     return out
 
 
-# ---- the schedule, written in torch terms ----------------------------------------------------
-def warmup_cosine(optim, total_steps: int):
-    """lr(step): linear warmup from 0 to optim.lr, then cosine to optim.min_lr at the schedule's end
-    (optim.decay_steps, or the run's steps); a warmup as long as the schedule is cut to a tenth."""
+# ---- the schedule, from torch's own schedulers ---------------------------------------------
+def torch_schedule(optimizer, optim, total_steps: int):
+    """Linear warmup from 0 to optim.lr, then cosine to optim.min_lr at the schedule's end
+    (optim.decay_steps, or the run's steps), as torch's `LinearLR` then `CosineAnnealingLR` in a
+    `SequentialLR`; a warmup as long as the schedule is cut to a tenth. `LinearLR` cannot start at
+    0: it starts at 1e-12 of the rate."""
+    import torch
+
+    sched = torch.optim.lr_scheduler
     length = optim.decay_steps or total_steps
     warmup = optim.warmup_steps if optim.warmup_steps < length else length // 10
-
-    def lr(step: int) -> float:
-        if step < warmup:
-            return optim.lr * step / warmup
-        done = min(step - warmup, length - warmup) / max(length - warmup, 1)
-        return optim.min_lr + (optim.lr - optim.min_lr) * 0.5 * (1 + math.cos(math.pi * done))
-
-    return lr
+    cosine = sched.CosineAnnealingLR(optimizer, T_max=max(length - warmup, 1), eta_min=optim.min_lr)
+    if warmup == 0:
+        return cosine
+    linear = sched.LinearLR(optimizer, start_factor=1e-12, end_factor=1.0, total_iters=warmup)
+    return sched.SequentialLR(optimizer, [linear, cosine], milestones=[warmup])
 
 
 # ---- ZAYA1's bias balancer, written from the equations ----------------------------------------
@@ -412,9 +413,7 @@ class TorchTrainer:
         self.adamw = torch.optim.AdamW([{"params": parts[("adamw", True)], "weight_decay": optim.weight_decay},
                                         {"params": parts[("adamw", False)], "weight_decay": 0.0}],
                                        lr=optim.lr, betas=(optim.b1, optim.b2), eps=optim.eps)
-        schedule = warmup_cosine(optim, total_steps)
-        self.schedules = [torch.optim.lr_scheduler.LambdaLR(o, lambda step: schedule(step) / optim.lr)
-                          for o in (self.muon, self.adamw)]
+        self.schedules = [torch_schedule(o, optim, total_steps) for o in (self.muon, self.adamw)]
         self.balance = TorchBalancer(optim, self.routers)
         self.clip_norm = optim.clip_norm
         self.num_classes = model.config.num_experts + 1
@@ -670,7 +669,7 @@ def markdown(record: dict) -> str:
         "(`match_rms_adamw`, Nesterov) on the 2-D hidden matrices (each expert's gate, up and down apart), "
         "`torch.optim.AdamW` on the rest, the decay mask of `HF_RECIPE` (our `PARTITION` restated for HF names"
         + (", which agrees with ours" if not c["recipe_mismatches"] else ", which DISAGREES with ours: see below")
-        + "), `LambdaLR` warmup + cosine, `clip_grad_norm_`, HF's loss per document piece, and the bias balancer "
+        + "), `LinearLR` warmup then `CosineAnnealingLR`, `clip_grad_norm_`, HF's loss per document piece, and the bias balancer "
         "(`TorchBalancer`, `optim.balancer` written from its equations, on the router probabilities HF computed). Torch runs: "
         + "; ".join(f"**{n}** = {d}" for n, d in c["variants"].items()) + ".",
         "",

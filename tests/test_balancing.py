@@ -290,7 +290,7 @@ def test_a_logged_record_carries_each_layers_worst_routing_since_the_last_one():
 @pytest.mark.slow
 def test_routing_holds_at_16_experts_at_every_step(tmp_path):
     """The short form of benchmarks/routing_seeds.md's bar: `zaya1_routing_cpu` (16 experts + skip,
-    top-1, 8,192 tokens a step) for 30 steps with the default balancer, logged at every step: from
+    top-1, 8,192 tokens a step) for 30 steps with the `solve` balancer, logged at every step: from
     step 10 every layer's busiest expert stays under 2× its fair share (the `spread` balancer,
     measuring the step's own routing: 3.5–6.5× in these steps over 5 seeds,
     benchmarks/routing_seeds_spread.md)."""
@@ -302,7 +302,8 @@ def test_routing_holds_at_16_experts_at_every_step(tmp_path):
     from zaya_jax.train.loop import train
 
     exp = load_experiment(os.path.join(EXPERIMENTS, "zaya1_routing_cpu.py"),
-                          ["--config.train.steps=30", "--config.train.log_every=1", "--config.eval.every_steps=0",
+                          ["--config.optim.balancer=solve", "--config.train.steps=30", "--config.train.log_every=1",
+                           "--config.eval.every_steps=0",
                            "--config.eval.batches=0", "--config.train.progress=false"])
     with open(os.devnull, "w") as out:
         train(exp, str(tmp_path / "run"), devices=jax.devices()[:2], out=out)

@@ -73,7 +73,8 @@ def test_overrides_are_parsed_as_the_key_type():
     (["--config.optim.muon_ns_dtype=fp8"], "optim.muon_ns_dtype must be one of auto, float32, bfloat16, got 'fp8'"),
     (["--config.optim.balancer=adam", "--config.optim.balance_lr=0.5"],
      "optim.balance_lr=0.5 is too large for optim.balancer=adam"),
-    (["--config.optim.balance_lr=1.5"], "optim.balance_lr=1.5 is too large for optim.balancer=solve"),
+    (["--config.optim.balancer=solve", "--config.optim.balance_lr=1.5"],
+     "optim.balance_lr=1.5 is too large for optim.balancer=solve"),
     (["--config.optim.balance_lr=-1"], "optim.balance_lr must be >= 0"),
 ])
 def test_bad_overrides_name_the_problem(overrides, words):

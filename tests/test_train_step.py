@@ -6,8 +6,8 @@ single-device run (the norms because Muon and AdamW are blind to a constant grad
 In bf16, the losses of two steps must agree to bf16 rounding.
 
 The layouts run the Adam balancer, whose bias steps depend on the integer token counts alone, so
-the biases (and every routing choice) are bit-identical across layouts. The default `solve` and
-the `spread` balancers also read the router probabilities, which differ between layouts in the
+the biases (and every routing choice) are bit-identical across layouts. The default `spread` and
+the `solve` balancers also read the router probabilities, which differ between layouts in the
 last bit (their summation order), and that is enough to flip a token that sits at a tie; their
 inputs and biases are compared across layouts on their own.
 """
@@ -290,8 +290,8 @@ def _solve_step(overrides, devices, updated=True):
     return np.asarray(rerouted.probs), before.biases[key], jax.device_get(new.biases[key]), np.asarray(by_hand)
 
 
-def test_the_default_balancer_solves_on_the_routing_of_the_updated_model():
-    """`solve` (the default): the step's new biases are the solve on its first micro-batch routed by
+def test_the_solve_balancer_solves_on_the_routing_of_the_updated_model():
+    """`solve`: the step's new biases are the solve on its first micro-batch routed by
     the weights after the optimizer step, not by the weights the step's gradients were taken at."""
     overrides = _overrides("solve")
     _, before, stepped, by_hand = _solve_step(overrides, jax.devices()[:1])

@@ -2,10 +2,11 @@
 
 A small run of `benchmarks/trajectory_vs_torch.py` (which has the whole story): the same initial
 weights (our `Program.init()` exported through `hf_mapping`), the same batches (our pipeline),
-torch's own Muon / AdamW / LambdaLR / clip_grad_norm_ and the bias balancer written from its
+torch's own Muon / AdamW / LinearLR and CosineAnnealingLR / clip_grad_norm_ and the bias balancer written from its
 equations (`TorchBalancer`). Torch's Muon runs with its Newton–Schulz in fp32, as ours (its input / max(‖x‖, eps) is ours too),
 so no known difference is left and every step's loss and grad norm must agree to 1e-3; weight
-decay is on (the tiny_cpu recipe has none) so the decay mask counts too.
+decay is on (the tiny_cpu recipe has none) so the decay mask counts too. A wider case adds
+non-square expert and router matrices, two micro-batches a step and two data-parallel devices.
 """
 
 import os
@@ -27,11 +28,17 @@ SMALL = ["--config.train.global_batch_size=4", "--config.train.seq_len=64", "--c
          "--config.optim.warmup_steps=2", "--config.optim.weight_decay=0.1", "--config.optim.lr=1e-2"]
 
 
-def test_torch_trains_like_zaya_train(tmp_path):
+# Non-square expert and router matrices, two micro-batches a step, two data-parallel devices.
+WIDER = SMALL + ["--config.model.moe_intermediate_size=96", "--config.model.router_hidden_size=24",
+                 "--config.train.grad_accum_steps=2", "--config.mesh.data=2"]
+
+
+@pytest.mark.parametrize("overrides, devices", [(SMALL, 1), (WIDER, 2)], ids=["one-device", "wider"])
+def test_torch_trains_like_zaya_train(tmp_path, overrides, devices):
     from zaya_jax.train.loop import train
 
-    exp = trajectory.load_exp(trajectory.DEFAULT_CONFIG, STEPS, 1, SMALL)
-    devices = jax.devices()[:1]
+    exp = trajectory.load_exp(trajectory.DEFAULT_CONFIG, STEPS, devices, overrides)
+    devices = jax.devices()[:devices]
     with open(os.devnull, "w") as out:
         train(exp, str(tmp_path / "run"), devices=devices, out=out)
     ours = trajectory.read_metrics(str(tmp_path / "run"))

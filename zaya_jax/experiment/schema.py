@@ -101,11 +101,12 @@ def _optim() -> dict:
         muon_rms=0.2,  # update RMS Muon is scaled to (AdamW's typical update RMS)
         # ZAYA1's bias balancer (train/balancing.py): each step every bias moves against its expert's
         # overload. solve: the biases solved on the step's first micro-batch routed again by the updated
-        # model, balance_lr the share of the solved step taken (one forward of a micro-batch a step);
+        # model, balance_lr the share of the solved step taken (one forward of a micro-batch a step; even
+        # at every step where spread is not: benchmarks/routing_seeds.md);
         # spread: by balance_lr × the overload E·load − 1 × the spread of the router's probabilities
         # between tokens, plus the drift of its mean probability; adam: the report's Adam, by about
         # balance_lr whatever the error. balance_lr None: the balancer's own default; 0: off
-        balancer="solve",
+        balancer="spread",
         balance_lr=None,
         balance_b1=0.9,  # adam only
         balance_b2=0.999,  # adam only
