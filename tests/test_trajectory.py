@@ -6,7 +6,8 @@ torch's own Muon / AdamW / LinearLR and CosineAnnealingLR / clip_grad_norm_ and 
 equations (`TorchBalancer`). Torch's Muon runs with its Newton–Schulz in fp32, as ours (its input / max(‖x‖, eps) is ours too),
 so no known difference is left and every step's loss and grad norm must agree to 1e-3; weight
 decay is on (the tiny_cpu recipe has none) so the decay mask counts too. A wider case adds
-non-square expert and router matrices, two micro-batches a step and two data-parallel devices.
+non-square expert and router matrices, two micro-batches a step, two data-parallel devices and
+the `solve` balancer.
 """
 
 import os
@@ -28,9 +29,10 @@ SMALL = ["--config.train.global_batch_size=4", "--config.train.seq_len=64", "--c
          "--config.optim.warmup_steps=2", "--config.optim.weight_decay=0.1", "--config.optim.lr=1e-2"]
 
 
-# Non-square expert and router matrices, two micro-batches a step, two data-parallel devices.
+# Non-square expert and router matrices, two micro-batches a step, two data-parallel devices, and
+# the balancer that routes the first micro-batch again after the update.
 WIDER = SMALL + ["--config.model.moe_intermediate_size=96", "--config.model.router_hidden_size=24",
-                 "--config.train.grad_accum_steps=2", "--config.mesh.data=2"]
+                 "--config.train.grad_accum_steps=2", "--config.mesh.data=2", "--config.optim.balancer=solve"]
 
 
 @pytest.mark.parametrize("overrides, devices", [(SMALL, 1), (WIDER, 2)], ids=["one-device", "wider"])
