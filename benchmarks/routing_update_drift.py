@@ -36,6 +36,8 @@ def parse_args(argv=None):
     p.add_argument("--balancers", default="spread,solve")
     p.add_argument("--out", default=os.path.join(HERE, "routing_update_drift"))
     args, overrides = p.parse_known_args(argv)
+    if args.steps < 10:
+        p.error(f"--steps must be at least 10 (the summary reads steps 10 on), got {args.steps}")
     args.overrides = overrides
     return args
 
@@ -46,6 +48,7 @@ def trace(config: str, overrides: list[str], steps: int) -> list[dict]:
 
     from zaya_jax import cpu_host
     from zaya_jax.experiment import load_experiment
+    from zaya_jax.train import balancing
     from zaya_jax.train.loop import build_data
     from zaya_jax.train.program import build_program
 
@@ -59,9 +62,8 @@ def trace(config: str, overrides: list[str], steps: int) -> list[dict]:
     def load_max(params, biases, batch):
         rows = {k: v.reshape((-1,) + v.shape[2:]) for k, v in batch.items()}
         _, routing = modeldef.merge(params, biases).hidden_states(rows["inputs"], rows["segment_ids"], rows["positions"])
-        valid = (rows["segment_ids"] > 0).astype(jnp.float32)
-        counts = jnp.einsum("l...e,...->le", jax.nn.one_hot(routing.expert, experts + 1), valid)[:, :-1]
-        return jnp.max(counts.max(-1) / counts.sum(-1)) * experts
+        counts = balancing.expert_counts(routing.expert, rows["segment_ids"] > 0, experts)
+        return jnp.max(balancing.load_summary(counts)["layer_load_max"])
 
     step, state = program.jitted_train_step(), program.init()
     batch, rows = program.place_batch(next(iterator)), []

@@ -30,7 +30,7 @@ NULLABLE = {
     "model.pad_token_id": (int,),
     "model.bos_token_id": (int,),
     "model.eos_token_id": (int, list, tuple),
-    "optim.balance_lr": (float, int),  # None: the balancer's own (train/balancing.py: DEFAULT_LR)
+    "optim.balance_lr": (float, int),  # None: the balancer's own (BALANCE_LR)
 }
 
 

@@ -18,7 +18,7 @@ Three controllers (`optim.balancer`):
   draw its missing ones (the deficit-th smallest gap of other tokens to it), centred over the
   experts. What the next step sees then differs only by the batch. The controllers below measure
   the step's own routing, made before the update, and the update itself can move a layer from
-  even to 5× its fair share (16 experts, warmup; `benchmarks/routing_balancers.md`). It costs a
+  even to 5× its fair share (16 experts, warmup; `benchmarks/routing_update_drift.md`). It costs a
   forward of one micro-batch per step: 1/(3A) of the step's model FLOPs with A micro-batches.
 - `spread` (the default): each step, bias_e −= balance_lr · σ_e · (E·load_e − 1) + Δp̄_e. The first
   term is a proportional step measured in units of how much the router's probabilities differ
@@ -47,6 +47,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+
+from zaya_jax.model.router import choose_top1
 
 TOKENS, PROB, PROB_SQ = 0, 1, 2  # the rows of `route_sums`
 
@@ -147,8 +149,9 @@ def margin_counts(probs: jax.Array, weights: jax.Array, biases: jax.Array) -> tu
     that size releases them) and the tokens routed elsewhere whose choice scores at most the edge
     above the class (a step up of that size draws them). Sums over tokens: replicas add them."""
     layers, classes = biases.shape
-    scores = probs + biases.reshape((layers,) + (1,) * (probs.ndim - 2) + (classes,))
-    chosen = jax.nn.one_hot(jnp.argmax(scores, axis=-1), classes, dtype=jnp.bool_)
+    biases = biases.reshape((layers,) + (1,) * (probs.ndim - 2) + (classes,))
+    scores = probs + biases
+    chosen = jax.nn.one_hot(choose_top1(probs, biases).expert, classes, dtype=jnp.bool_)
     best = jnp.max(scores, axis=-1, keepdims=True)
     runner_up = jnp.max(jnp.where(chosen, -jnp.inf, scores), axis=-1, keepdims=True)
     distance = jnp.where(chosen, best - runner_up, best - scores)
