@@ -4,13 +4,13 @@
 (16.8M), Muon + AdamW with a cosine 6e-4 → 2e-4, bf16 compute with the fp32 islands.
 Phase 1 is 8T tokens: 476,837 steps of 16.8M tokens. Not published, so chosen here: warmup
 (2,000 steps), weight decay (0.1), Muon momentum (0.95), the router's initialisation and the
-balancer. The balancer is the default `spread`. The report's Adam rule herds a layer's tokens
-from expert to expert while the router's probabilities are close. `spread` measures the step's
-own routing, so it lags the router by one optimizer step: at 16 experts on a CPU
-(`zaya1_routing_cpu.py`) that is 3-6.5x the fair share while the router settles
-(benchmarks/routing_seeds_spread.md). `--config.optim.balancer=solve` holds every step under 2x
-there (benchmarks/routing_seeds.md) for one forward of a micro-batch a step (~6% of this recipe's
-model FLOPs, with full remat); whether the lag matters at 16.8M tokens a step is unmeasured.
+balancer. The balancer is the default `solve`: after each update it routes the step's first
+micro-batch again through the new weights and solves the biases on that, one forward of a
+micro-batch a step (~6% of this recipe's model FLOPs, with full remat). `spread`, which
+measures the step's own routing and so lags the router by one optimizer step, reached 3-6.5x the fair share at 16 experts on a CPU while the
+router settles (benchmarks/routing_seeds_spread.md); whether that lag matters at 16.8M tokens a
+step is unmeasured. The report's Adam rule herds a layer's tokens from expert to expert while the
+router's probabilities are close.
 
 Point `data.source` and `data.tokenizer` at your corpus and the ZAYA1 tokenizer.json:
 

@@ -130,7 +130,9 @@ def expected_calls(program, mesh: dict) -> dict:
     weight-gradient ones. The TSP ring's steps are one loop (its body: one copy of a step's matmuls
     whatever the ring's length) except at two ranks, where the two steps are unrolled and call
     every grouped matmul twice; its backward recomputes the gate/up one. Full
-    remat runs every block's forward kernels a second time in the backward.
+    remat runs every block's forward kernels a second time in the backward. A re-routing balancer
+    runs every block's forward kernels once more after the update (the final norm aside); unrolled,
+    XLA drops the last block's experts there, as only its router's probabilities are read.
     """
     model, step = program.exp.model, program.step_cfg
     layers = 1 if step.scan_layers else model.num_hidden_layers
@@ -138,14 +140,17 @@ def expected_calls(program, mesh: dict) -> dict:
     # One causal-offset branch per sequence device, one kernel per chunk it holds (two under zigzag).
     chunks = tsp * mesh.get("sequence", 1) * zigzag.chunks_per_device(program.zigzagged)
     again = 2 if step.remat == "full" else 1
+    reroutes = 1 if program.balancer.reroutes else 0
+    forwards = again + reroutes
+    dead_experts = reroutes if not step.scan_layers else 0
     attention = layers * (model.num_key_value_heads if tsp > 1 else 1) * chunks
     forward_gmm, backward_gmm = (2, 3) if tsp > 1 else (2, 2)
     ring_copies = 2 if tsp == tsp_experts.UNROLLED else 1
     return {
-        "zaya_forward_kernel": attention * again, "zaya_dq_kernel": attention, "zaya_dkv_kernel": attention,
-        "zaya_grouped_matmul": layers * ring_copies * (forward_gmm * again + backward_gmm),
+        "zaya_forward_kernel": attention * forwards, "zaya_dq_kernel": attention, "zaya_dkv_kernel": attention,
+        "zaya_grouped_matmul": ring_copies * (layers * (forward_gmm * forwards + backward_gmm) - forward_gmm * dead_experts),
         "zaya_grouped_matmul_transposed": layers * ring_copies * 2,
-        "zaya_rms_norm_fwd": 3 * layers * again + 1, "zaya_rms_norm_bwd": 3 * layers + 1,
+        "zaya_rms_norm_fwd": 3 * layers * forwards + 1, "zaya_rms_norm_bwd": 3 * layers + 1,
     }
 
 
@@ -180,6 +185,16 @@ def test_bf16_train_step_of_each_layout_lowers_with_exact_triton_calls(layout, p
     assert {a: s for a, s in program.mesh.shape.items() if s > 1} == mesh
     assert program.step_cfg.remat == "none"
     assert dict(calls) == expected_calls(program, mesh)
+
+
+@pytest.mark.parametrize("balancer", ["spread", "solve"])
+def test_only_the_re_routing_balancer_runs_a_second_forward(balancer):
+    _skip_unless_lowerable("cuda")
+    overrides = ["--config.model.num_hidden_layers=1", "--config.model.compute_dtype=bfloat16",
+                 "--config.train.remat=none", f"--config.optim.balancer={balancer}"]
+    program, calls = lower_step("experiments/layouts/base.py", overrides, "cuda", jax.devices()[:1])
+    assert calls["zaya_forward_kernel"] == (2 if balancer == "solve" else 1)
+    assert dict(calls) == expected_calls(program, {})
 
 
 @pytest.mark.parametrize("platform", PLATFORMS)
@@ -266,8 +281,9 @@ def test_lower_for_gpu_reports_each_kernels_triton_calls_and_writes_json(tmp_pat
 
     [step] = json.loads(out.read_text())["steps"]
     assert (step["platform"], step["mesh"], step["compute_dtype"]) == ("rocm", {"data": 2, "tsp": 4}, "bfloat16")
-    # Two KV groups x four chunk branches x the two zigzag chunks each branch attends for.
-    assert step["triton_calls"]["zaya_forward_kernel"] == 2 * 4 * 2
+    # Two KV groups x four chunk branches x the two zigzag chunks each branch attends for, in the
+    # step's forward and the solve balancer's re-route.
+    assert step["triton_calls"]["zaya_forward_kernel"] == 2 * 4 * 2 * 2
     assert f"{sum(step['triton_calls'].values())} Triton calls" in result.stdout
 
 

@@ -16,6 +16,7 @@ from zaya_jax.experiment import load_experiment
 from zaya_jax.explore.hlo_census import census, total
 from meshes import fake_mesh
 from zaya_jax.train.program import build_program
+from zaya_jax.train import balancing
 from zaya_jax.train.step import make_gradient_step
 from paths import TINY
 from synthetic_batches import random_batch
@@ -38,6 +39,13 @@ def _over_data(program):
                   if c.op in ("all-reduce", "reduce-scatter") and "data" in c.axes)
 
 
+def _solve_sums(program):
+    """(op, bytes, runs) of the solve balancer's margin counts summed over the replicas: tokens per
+    class and two counts per class and edge, fp32, once per solve iteration."""
+    layers, classes = program.modeldef.cfg.num_hidden_layers, program.modeldef.cfg.num_experts + 1
+    return ("all-reduce", 4 * layers * classes * (1 + 2 * len(balancing.EDGES)), balancing.SOLVE_ITERATIONS)
+
+
 def _shard_bytes(program, shardings, keys):
     shapes = program.modeldef.param_shapes
     return sum(4 * math.prod(shardings[k].shard_shape(shapes[k])) for k in keys)
@@ -45,9 +53,13 @@ def _shard_bytes(program, shardings, keys):
 
 @pytest.mark.parametrize("mesh", [dict(data=2), dict(data=2, fsdp=2, tsp=2)], ids=str)
 def test_gradients_are_reduced_over_data_once_per_step_whatever_the_micro_batch_count(mesh):
-    two, four = _over_data(_program(2, **mesh)), _over_data(_program(4, **mesh))
-    assert two == four  # the same reductions, not twice as many
-    assert {runs for _, _, runs in four} == {1}  # none inside the micro-batch loop
+    # The same reductions, not twice as many; and none sized by the micro-batch (the re-route's
+    # forward runs on each replica's rows, not on activations gathered over data).
+    program = _program(4, **mesh)
+    two, four = _over_data(_program(2, **mesh)), _over_data(program)
+    assert two == four
+    # None inside the micro-batch loop; the solve's counts once per its iterations.
+    assert [r for r in four if r[2] != 1] == [_solve_sums(program)]
 
 
 def test_a_one_iteration_layer_scan_copies_no_weights_outside_the_micro_batch_loop():
@@ -83,7 +95,9 @@ def test_without_zero1_every_gradient_is_all_reduced_once():
     assert not [r for r in reductions if r[0] == "reduce-scatter"]
     grads = _shard_bytes(program, program.param_shardings(), program.data_split)
     # The gradients, plus the loss, token count and expert counts [L, E+1] summed with them, and
-    # the bad-step guard's two norms: a few hundred bytes of scalars XLA packs in beside them.
+    # the bad-step guard's two norms: a few hundred bytes of scalars XLA packs in beside them. The
+    # solve balancer's counts are their own.
+    reductions.remove(_solve_sums(program))
     summed = sum(b * runs for _, b, runs in reductions)
     assert grads <= summed <= grads + 1024
 

@@ -242,5 +242,7 @@ def test_the_census_of_a_small_step_compiled_for_an_h100(tmp_path, attention):
         assert attention_kernels == {"__cudnn$fmhaScaleBiasSoftmax", "__cudnn$fmhaScaleBiasSoftmaxBackward"}
         # 2 layers x (2 forward + 2 recomputed forward + 5 backward products) x B·S²·heads·d
         assert parts["attention"]["kernel_flops"] + parts["attention bwd"]["kernel_flops"] == 2 * 9 * 2 * 256 ** 2 * 4 * 64
+        # The solve balancer's forward is its own part: its attention, cuDNN's too.
+        assert "__cudnn$fmhaScaleBiasSoftmax" in parts["re-route"]["kernels"]
     else:
         assert "zaya_forward_kernel" in attention_kernels

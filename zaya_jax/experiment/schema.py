@@ -106,7 +106,7 @@ def _optim() -> dict:
         # spread: by balance_lr × the overload E·load − 1 × the spread of the router's probabilities
         # between tokens, plus the drift of its mean probability; adam: the report's Adam, by about
         # balance_lr whatever the error. balance_lr None: the balancer's own default; 0: off
-        balancer="spread",
+        balancer="solve",
         balance_lr=None,
         balance_b1=0.9,  # adam only
         balance_b2=0.999,  # adam only

@@ -9,7 +9,7 @@ are the inside of one kernel. Each op has
 * `kind`: `gemm` (a vendor GEMM call, a dot, or a fusion around one), `kernel` (a Pallas/Triton or
   other custom call), `collective`, `copy`, `elementwise` (every other fusion or op);
 * `part`: the model scope its `op_name` names (`PARTS`: the optimizer's `newton_schulz`, the
-  micro-batches' running gradient sum (`accumulation`), the loss,
+  solve balancer's forward (`re-route`), the micro-batches' running gradient sum (`accumulation`), the loss,
   attention, experts, router, norms, embedding, the layer scan's slicing of stacked weights and
   gradients), `optimizer` for the update outside the differentiated step, `other` for the rest of
   the blocks; a backward op's part ends in ` bwd`;
@@ -32,11 +32,13 @@ import math
 import re
 
 from zaya_jax.explore import hlo_census
-from zaya_jax.train.step import GRADIENT_SUM_SCOPE
+from zaya_jax.train.step import GRADIENT_SUM_SCOPE, REROUTE_SCOPE
 
-# (text in op_name, part), first match wins: Newton–Schulz before the loss (it is named alone),
-# the loss before attention (its chunks run after the last block), experts before `moe`'s router.
-PARTS = (("newton_schulz", "newton-schulz"), (GRADIENT_SUM_SCOPE, "accumulation"), ("loss", "loss"),
+# (text in op_name, part), first match wins: Newton–Schulz and the balancer's re-route before the
+# model's scopes (they are named alone), the loss before attention (its chunks run after the last
+# block), experts before `moe`'s router.
+PARTS = (("newton_schulz", "newton-schulz"), (REROUTE_SCOPE, "re-route"), (GRADIENT_SUM_SCOPE, "accumulation"),
+         ("loss", "loss"),
          ("linear_attention", "linear attention"), ("rms_norm", "norms"), ("experts", "experts"),
          ("router", "router"), ("attention", "attention"), ("norm", "norms"),
          ("embed", "embedding"), ("_take", "embedding"), ("dynamic_index_in_dim", "layer scan"),

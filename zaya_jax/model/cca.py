@@ -41,8 +41,11 @@ def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
     """Rotate-half RoPE on the first `rotary_dim` channels of each head; x: [B, S, n, d]."""
     rot = cos.shape[-1]
     x_rot, x_pass = x[..., :rot], x[..., rot:]
-    half = rot // 2
-    rotated = jnp.concatenate([-x_rot[..., half:], x_rot[..., :half]], axis=-1)
+    # [-x2, x1] as a reversal of the two halves, not a concatenate of slices: XLA's ROCm Triton
+    # fusion emitter fails on that concatenate where the forward is not differentiated.
+    halves = x_rot.reshape(*x_rot.shape[:-1], 2, rot // 2)
+    sign = jnp.asarray([[-1.0], [1.0]], x.dtype)
+    rotated = (jnp.flip(halves, axis=-2) * sign).reshape(x_rot.shape)
     x_rot = x_rot * cos[:, :, None] + rotated * sin[:, :, None]
     return jnp.concatenate([x_rot, x_pass], axis=-1)
 

@@ -182,8 +182,9 @@ def _step_size(cumulative: jax.Array, wanted: jax.Array) -> jax.Array:
     """The step that moves `wanted` tokens [L, E], from the tokens within each edge [L, E, K]:
     linear between edges (from 0 below the first), the last edge where too few are that near."""
     edges = jnp.asarray(EDGES, jnp.float32)
-    lower_edges = jnp.concatenate([jnp.zeros(1, jnp.float32), edges[:-1]])
-    lower = jnp.concatenate([jnp.zeros_like(cumulative[..., :1]), cumulative[..., :-1]], axis=-1)
+    lower_edges = jnp.asarray((0.0,) + EDGES[:-1], jnp.float32)
+    # A pad, not a concatenate: XLA's ROCm Triton emitter fails on this concatenate's fusion.
+    lower = jnp.pad(cumulative[..., :-1], [(0, 0)] * (cumulative.ndim - 1) + [(1, 0)])
     k = jnp.sum(cumulative < wanted[..., None], axis=-1)  # the first edge that holds `wanted`
     at = jnp.minimum(k, len(EDGES) - 1)[..., None]
     hi, lo = (jnp.take_along_axis(c, at, -1)[..., 0] for c in (cumulative, lower))

@@ -75,7 +75,7 @@ class Program:
                                    schedule=MeshSchedule(zigzagged=self.zigzagged),
                                    loss=token_loss,
                                    guard=step_guard.GuardSettings.from_config(c.fault),
-                                   reduction=self._reduction())
+                                   reduction=self._reduction(), param_shardings=self.param_shardings())
         self._rows: dict[int, list[int]] = {}  # local_rows by batch size: asked every step
         self._abstract = jax.eval_shape(self._init)  # traced once: shardings and AOT compile share it
         self.state_shardings = self._state_shardings()

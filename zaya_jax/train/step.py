@@ -28,6 +28,9 @@ BATCH_KEYS = ("inputs", "targets", "segment_ids", "positions", "loss_mask")
 # The named scope of the micro-batch loop's running gradient sum: its buffers are gradients, not
 # the update's, in XLA's memory attributed term by term (`explore/xla_terms.py`).
 GRADIENT_SUM_SCOPE = "gradient_sum"
+# The named scope of a re-routing balancer's forward: its ops are the balancer's, not the step's
+# own forward, in `explore/step_census.py`'s parts.
+REROUTE_SCOPE = "reroute"
 
 
 @dataclasses.dataclass
@@ -57,6 +60,10 @@ class StepConfig:
     # Wraps the micro-batch loop so gradients are reduced once per step (the program hands it
     # `parallel.grad_reduction.reduce_once`); None: the loop alone, GSPMD reducing inside it.
     reduction: Callable | None = None
+    # Where the params lie between steps (NamedShardings by key; None: wherever GSPMD puts them).
+    # ZeRO-1 leaves the updated weights split over `data`; a forward on those (the re-route) would
+    # gather each replica's rows of activations instead of the weights it gathers anyway.
+    param_shardings: dict | None = None
     guard: step_guard.GuardSettings = step_guard.GuardSettings()
 
 
@@ -121,8 +128,9 @@ def reroute(modeldef: ModelDef, params, biases, batch, cfg: StepConfig) -> balan
     """The router's probabilities for one [b, S] batch through the model `params` make (a forward, no
     gradient): what a re-routing balancer solves the biases on."""
     model = modeldef.merge(jax.lax.stop_gradient(params), biases)
-    _, routing = model.hidden_states(batch["inputs"], batch["segment_ids"], batch["positions"],
-                                     schedule=cfg.schedule, scan=cfg.scan_layers, unroll=cfg.scan_unroll)
+    with jax.named_scope(REROUTE_SCOPE):
+        _, routing = model.hidden_states(batch["inputs"], batch["segment_ids"], batch["positions"],
+                                         schedule=cfg.schedule, scan=cfg.scan_layers, unroll=cfg.scan_unroll)
     return balancing.Rerouted(routing.probs, batch["segment_ids"] > 0)
 
 
@@ -140,21 +148,26 @@ def make_update_step(modeldef: ModelDef, tx: optax.GradientTransformation, balan
         counts = routes[:, balancing.TOKENS]
         bad = step_guard.is_bad(state.guard, loss, grad_norm, cfg.guard)
         updates, opt_state = tx.update(grads, state.opt_state, state.params)
-        params = optax.apply_updates(state.params, updates)
+        guard = step_guard.record(state.guard, loss, grad_norm, bad)
+        # A select per state leaf; XLA fuses it into the update's own elementwise pass (the census
+        # shows no pass of its own), so skipping costs no traffic. Made before the re-route, so
+        # the old weights are dead by its forward.
+        kept = step_guard.keep_if_bad(bad, dataclasses.replace(state, guard=guard), TrainState(
+            state.step + 1, optax.apply_updates(state.params, updates), state.biases, opt_state,
+            state.balance_state, guard))
         evidence = routes
         if balancer.reroutes:
+            params = kept.params
+            if cfg.param_shardings is not None:
+                params = jax.lax.with_sharding_constraint(params, cfg.param_shardings)
             evidence = reroute(modeldef, params, state.biases, jax.tree.map(lambda x: x[0], batches), cfg)
-        biases, balance_state = balancing.update_biases(state.biases, evidence, bias_key, balancer,
-                                                        state.balance_state)
-        guard = step_guard.record(state.guard, loss, grad_norm, bad)
+        balanced = balancing.update_biases(state.biases, evidence, bias_key, balancer, state.balance_state)
+        biases, balance_state = step_guard.keep_if_bad(bad, (state.biases, state.balance_state), balanced)
         metrics = {"loss": loss, "grad_norm": grad_norm, "lr": lr_schedule(state.step),
                    "tokens": ntok, "expert_load": balancing.load_fractions(counts), **balancing.load_summary(counts),
                    "layer_prob_spread": balancing.probability_moments(routes)[1][:, :-1].mean(-1),
                    "bad_step": bad, "bad_steps": guard.bad_total, "consecutive_bad_steps": guard.consecutive}
-        updated = TrainState(state.step + 1, params, biases, opt_state, balance_state, guard)
-        # A select per state leaf; XLA fuses it into the update's own elementwise pass (the census
-        # shows no pass of its own), so skipping costs no traffic.
-        return step_guard.keep_if_bad(bad, dataclasses.replace(state, guard=guard), updated), metrics
+        return dataclasses.replace(kept, biases=biases, balance_state=balance_state), metrics
 
     return update_step
 
