@@ -164,13 +164,17 @@ def test_damaged_checkpoint_is_one_error_and_nothing_is_touched(tmp_path, saved_
     assert _listing(workdir / "checkpoints") == before
 
 
-def test_checkpoint_of_another_model_shape_is_refused(tmp_path, saved_on_data8):
+def test_checkpoint_of_another_model_shape_or_balancer_is_refused(tmp_path, saved_on_data8):
     half, _ = saved_on_data8
     workdir = tmp_path / "run"
     shutil.copytree(half, workdir)
     before = _listing(workdir / "checkpoints")
     exp = load_experiment(TINY, RUN + ["--config.train.steps=8", "--config.model.hidden_size=64"])
     with pytest.raises(ZayaError, match="different model: model.hidden_size is 128 there but 64"):
+        train(exp, str(workdir), devices=jax.devices()[:1], out=open(os.devnull, "w"))
+    # Saved under solve (the default), resumed under spread: the balancer's state is another shape.
+    exp = load_experiment(TINY, RUN + ["--config.train.steps=8", "--config.optim.balancer=spread"])
+    with pytest.raises(ZayaError, match="trained with another balancer .*--config.optim.balancer=spread"):
         train(exp, str(workdir), devices=jax.devices()[:1], out=open(os.devnull, "w"))
     exp = load_experiment(TINY, RUN + ["--config.train.steps=8", "--config.checkpoint.resume=false"])
     with pytest.raises(ZayaError, match="checkpoint.resume is False"):

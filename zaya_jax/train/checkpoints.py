@@ -283,6 +283,11 @@ def check_compatible(saved: dict, current: dict, where: str) -> None:
                         f"there but {current['model'][k]!r} in this config; use the checkpoint's config "
                         "or a fresh --workdir")
     missing = sorted(set(current["state_shapes"]) ^ set(saved["state_shapes"]))
+    if missing and missing[0].startswith(".balance_state"):
+        # Each balancer keeps its own state; the default changed from spread to solve once.
+        raise ZayaError(f"checkpoint {where} was trained with another balancer ({missing[0]} is in one but not "
+                        "the other); resume with the checkpoint's --config.optim.balancer (a run started before "
+                        "solve became the default: --config.optim.balancer=spread) or use a fresh --workdir")
     if missing:
         raise ZayaError(f"checkpoint {where} holds a different train state ({missing[0]} is in one but not the "
                         "other; an optimizer setting changed?); use the checkpoint's config or a fresh --workdir")
