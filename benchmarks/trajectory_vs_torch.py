@@ -838,6 +838,7 @@ def main(argv=None) -> int:
     from zaya_jax.data.tokenizer import load_tokenizer
 
     with tempfile.TemporaryDirectory() as work:
+        asked = overrides  # what the record shows: not the temporary corpus's path
         if args.short_documents:
             corpus = short_documents(os.path.join(work, "short_documents.jsonl"), args.short_documents)
             overrides = [*overrides, f"--config.data.source={corpus}"]
@@ -849,7 +850,7 @@ def main(argv=None) -> int:
             raise RuntimeError(f"metrics.jsonl holds {len(ours)} steps, expected {args.steps}")
         params, biases = initial_arrays(exp, jax.devices()[:args.cpu_devices])
         batches = step_batches(exp, args.steps)  # the corpus is read here too
-        overrides = [o for o in overrides if not o.startswith("--config.data.source=")]
+        overrides = asked
     runs, seconds = {}, {"ours": ours_sec}
     for name in variants:
         t0 = time.perf_counter()

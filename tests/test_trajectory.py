@@ -43,6 +43,7 @@ CASES = {"one-device": (SMALL, 1, 2e-5), "wider": (WIDER, 2, 2e-5), "bf16-vs-fp3
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_torch_trains_like_zaya_train(tmp_path, case):
+    from zaya_jax.data.tokenizer import load_tokenizer
     from zaya_jax.train.loop import train
 
     overrides, devices, tolerance = CASES[case]
@@ -59,7 +60,8 @@ def test_torch_trains_like_zaya_train(tmp_path, case):
 
     params, biases = trajectory.initial_arrays(exp, devices)
     batches = trajectory.step_batches(exp, STEPS)
-    boundaries = sum(int((b["inputs"] == 2).sum()) for b in batches) / STEPS
+    eos = load_tokenizer(exp.config.data.tokenizer).eos_id
+    boundaries = sum(int((b["inputs"] == eos).sum()) for b in batches) / STEPS
     assert boundaries >= 4 * exp.config.train.global_batch_size  # many documents per row
     theirs = trajectory.train_torch(exp, params, biases, batches, ("float32", "clamp"))
     c = trajectory.compare(ours, theirs)

@@ -11,7 +11,7 @@ probability p and p² over the step's tokens (`route_sums`, [L, 3, E+1]); from t
 the mean probability p̄ and its spread σ between tokens.
 
 Three controllers (`optim.balancer`):
-- `solve`: after the optimizer step, the step's first micro-batch is routed again
+- `solve` (the default): after the optimizer step, the step's first micro-batch is routed again
   through the *updated* model (a forward pass, no gradient), and the biases are solved on those
   probabilities: a few damped steps, each moving every expert's bias by the amount that would
   release its excess tokens (the excess-th smallest lead of its tokens over their runner-up) or
@@ -20,7 +20,7 @@ Three controllers (`optim.balancer`):
   the step's own routing, made before the update, and the update itself can move a layer from
   even to 5× its fair share (16 experts, warmup; `benchmarks/routing_update_drift.md`). It costs a
   forward of one micro-batch per step: 1/(3A) of the step's model FLOPs with A micro-batches.
-- `spread` (the default): each step, bias_e −= balance_lr · σ_e · (E·load_e − 1) + Δp̄_e. The first
+- `spread`: each step, bias_e −= balance_lr · σ_e · (E·load_e − 1) + Δp̄_e. The first
   term is a proportional step measured in units of how much the router's probabilities differ
   between tokens: a bias step of σ moves a sizeable share of tokens whatever σ is, so the gain
   that settles at σ = 0.05 (a fresh router) does not oscillate at σ = 0.015 (while the residual
